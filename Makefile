@@ -1,0 +1,42 @@
+# Every target bootstraps its own virtual environment in .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# PostgreSQL for the conformance suite; override for another server. In CI the
+# PostgreSQL tests are required, locally they skip with a reason when it is down.
+export LEASEKEEPER_TEST_POSTGRES_URL ?= postgresql://postgres@127.0.0.1:5432/test
+
+.PHONY: serve test check lint typecheck pytest bench soak clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+serve: $(STAMP)  ## run the server on the embedded SQLite store (./leasekeeper.db)
+	$(BIN)/leasekeeper serve
+
+test: check pytest  ## the whole suite: lint, types, tests
+
+check: lint typecheck
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/pytest -q -p no:cacheprovider
+
+bench: $(STAMP)  ## benchmarks (minutes); never part of `make test`
+	$(BIN)/python -m bench
+
+soak: $(STAMP)  ## long fault and contention runs (minutes)
+	LEASEKEEPER_SOAK=1 $(BIN)/pytest -q -p no:cacheprovider -m slow tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,52 @@
+"""leasekeeper: leases, fencing tokens and idempotent results over HTTP.
+
+The public API is what ``__all__`` lists; everything in ``_``-prefixed modules
+may change without notice.
+"""
+
+from leasekeeper._core.clock import Clock, FakeClock, SystemClock
+from leasekeeper._errors import (
+    FingerprintConflict,
+    InternalError,
+    InvalidRequest,
+    LeaseConflict,
+    LeaseError,
+    LeaseHeld,
+    LeaseLost,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    RateLimited,
+    RequestError,
+    ServerError,
+    ServiceUnavailable,
+)
+from leasekeeper._service import LeaseService, Reply
+from leasekeeper._settings import Settings, SettingsError
+from leasekeeper.store import Store, open_store
+
+__all__ = [
+    "Clock",
+    "FakeClock",
+    "FingerprintConflict",
+    "InternalError",
+    "InvalidRequest",
+    "LeaseConflict",
+    "LeaseError",
+    "LeaseHeld",
+    "LeaseLost",
+    "LeaseService",
+    "MethodNotAllowed",
+    "NotFound",
+    "PayloadTooLarge",
+    "RateLimited",
+    "Reply",
+    "RequestError",
+    "ServerError",
+    "ServiceUnavailable",
+    "Settings",
+    "SettingsError",
+    "Store",
+    "SystemClock",
+    "open_store",
+]

@@ -1,0 +1,118 @@
+"""Secret formats and the digests that are stored instead of them.
+
+Nothing raw is ever stored. For a key in a namespace the id is an HMAC keyed by
+a key derived from the namespace's 32 secret bytes, so a readable key such as
+``invoice:2026-09-05`` cannot be reversed from the database, and the same key in
+two namespaces has unrelated ids. A key without a namespace is high-entropy by
+rule and is hashed with SHA-256 under its own domain tag. Fingerprint digests are
+keyed by the namespace secret (or by the raw key without a namespace) and bound to
+the key id. Owner tokens are stored as SHA-256 and compared in constant time.
+
+Random bytes are passed in by the caller; this module reads no randomness.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import re
+
+__all__ = [
+    "NAMESPACE_PREFIX",
+    "OWNER_PREFIX",
+    "digests_equal",
+    "fingerprint_digest",
+    "format_namespace",
+    "format_owner_token",
+    "key_id",
+    "owner_digest",
+    "parse_namespace",
+    "valid_owner_token",
+]
+
+NAMESPACE_PREFIX = "ns_"
+OWNER_PREFIX = "own_"
+SECRET_BYTES = 32
+
+# 43 characters of unpadded base64url carry 258 bits; the last character may only
+# use the top 4 of its 6 bits, so a canonical encoding of 32 bytes ends in one of these.
+_B64_43 = r"[A-Za-z0-9_-]{42}[AEIMQUYcgkosw048]"
+_NAMESPACE_RE = re.compile(rf"ns_{_B64_43}\Z")
+_OWNER_RE = re.compile(rf"own_{_B64_43}\Z")
+
+_TAG = b"leasekeeper/v1/"
+_NS_KEY_LABEL = _TAG + b"namespace-key-id"
+_NS_FP_LABEL = _TAG + b"namespace-fingerprint"
+_KEY_TAG = _TAG + b"key\x00"
+_BARE_KEY_TAG = _TAG + b"bare-key\x00"
+_FP_TAG = _TAG + b"fingerprint\x00"
+_OWNER_TAG = _TAG + b"owner\x00"
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+
+
+def format_namespace(random32: bytes) -> str:
+    """A namespace string for 32 random bytes: ``ns_`` + 43 base64url characters."""
+    if len(random32) != SECRET_BYTES:
+        raise ValueError("a namespace needs exactly 32 random bytes")
+    return NAMESPACE_PREFIX + _b64(random32)
+
+
+def format_owner_token(random32: bytes) -> str:
+    """An owner token for 32 random bytes: ``own_`` + 43 base64url characters."""
+    if len(random32) != SECRET_BYTES:
+        raise ValueError("an owner token needs exactly 32 random bytes")
+    return OWNER_PREFIX + _b64(random32)
+
+
+def parse_namespace(namespace: str) -> bytes | None:
+    """The namespace's 32 secret bytes, or None when it is not a well-formed namespace."""
+    if not _NAMESPACE_RE.match(namespace):
+        return None
+    try:
+        return base64.urlsafe_b64decode(namespace[3:] + "=")
+    except (binascii.Error, ValueError):  # pragma: no cover - the pattern admits only valid text
+        return None
+
+
+def valid_owner_token(token: str) -> bool:
+    """True when ``token`` has the shape of an owner token (not whether it owns anything)."""
+    return _OWNER_RE.match(token) is not None
+
+
+def _hmac(key: bytes, message: bytes) -> bytes:
+    return hmac.digest(key, message, "sha256")
+
+
+def key_id(namespace_secret: bytes | None, key: str) -> bytes:
+    """The stored id of ``key`` in the namespace (or of a bare key when None)."""
+    raw = key.encode("utf-8")
+    if namespace_secret is None:
+        return hashlib.sha256(_BARE_KEY_TAG + raw).digest()
+    derived = _hmac(namespace_secret, _NS_KEY_LABEL)
+    return _hmac(derived, _KEY_TAG + raw)
+
+
+def fingerprint_digest(
+    namespace_secret: bytes | None, key: str, key_digest: bytes, fingerprint: str
+) -> bytes:
+    """The stored digest of ``fingerprint``, keyed by a secret and bound to the key id."""
+    if namespace_secret is None:
+        secret = key.encode("utf-8")
+    else:
+        secret = _hmac(namespace_secret, _NS_FP_LABEL)
+    return _hmac(secret, _FP_TAG + key_digest + fingerprint.encode("utf-8"))
+
+
+def owner_digest(token: str) -> bytes:
+    """The stored digest of an owner token."""
+    return hashlib.sha256(_OWNER_TAG + token.encode("ascii")).digest()
+
+
+def digests_equal(a: bytes, b: bytes) -> bool:
+    """Constant-time comparison of two digests."""
+    return hmac.compare_digest(a, b)

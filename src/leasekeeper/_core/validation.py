@@ -1,0 +1,205 @@
+"""Input rules that need no I/O: strict JSON, key rules, result size and redaction.
+
+Every failure raises ``InvalidRequest`` (or ``PayloadTooLarge``) with a message
+that names the field and the rule and never repeats the value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+from typing import Any
+
+from leasekeeper._errors import InvalidRequest, PayloadTooLarge
+
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_RESULT_BYTES",
+    "check_bare_key",
+    "check_namespaced_key",
+    "check_text",
+    "check_tree",
+    "encode_result",
+    "key_entropy_bits",
+    "parse_json_object",
+    "redact",
+]
+
+MAX_DEPTH = 64
+MAX_RESULT_BYTES = 32_768
+MIN_BARE_KEY_BITS = 100.0
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_BARE_KEY = re.compile(r"[\x21-\x7e]{32,200}\Z")
+_REDACTED = "[redacted]"
+_SECRET_WORDS = (
+    "authorization",
+    "password",
+    "passwd",
+    "secret",
+    "token",
+    "privatekey",
+    "apikey",
+    "cookie",
+)
+_NAME_NOISE = str.maketrans("", "", "-_. ")
+
+
+def _reject_constant(name: str) -> Any:
+    raise InvalidRequest(f"Body is not valid JSON: {name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise InvalidRequest("Body is not valid JSON: a number is too large for a double")
+    return value
+
+
+def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise InvalidRequest("Body is not valid JSON: an object has a duplicate field name")
+    return obj
+
+
+_decoder = json.JSONDecoder(
+    object_pairs_hook=_unique_object,
+    parse_constant=_reject_constant,
+    parse_float=_finite_float,
+)
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """Parse a request body strictly: one JSON object, UTF-8, no NaN, no duplicate keys,
+    no lone surrogates, nesting at most 64 levels."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequest("Body is not valid UTF-8") from None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    try:
+        value = _decoder.decode(text)
+    except RecursionError:
+        raise InvalidRequest(f"Body nests deeper than {MAX_DEPTH} levels") from None
+    except json.JSONDecodeError as exc:
+        # exc.msg is the decoder's description of the problem, never the input itself.
+        raise InvalidRequest(f"Body is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequest("Body must be a JSON object")
+    check_tree(value)
+    return value
+
+
+def check_tree(root: dict[str, Any]) -> None:
+    """Reject nesting deeper than MAX_DEPTH and strings with lone surrogates."""
+    stack: list[tuple[Any, int]] = [(root, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise InvalidRequest(f"Body nests deeper than {MAX_DEPTH} levels")
+        if isinstance(node, dict):
+            for name, child in node.items():
+                _check_surrogates(name)
+                if isinstance(child, dict | list):
+                    stack.append((child, depth + 1))
+                elif isinstance(child, str):
+                    _check_surrogates(child)
+        else:
+            for child in node:
+                if isinstance(child, dict | list):
+                    stack.append((child, depth + 1))
+                elif isinstance(child, str):
+                    _check_surrogates(child)
+
+
+def _check_surrogates(text: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest(
+                "Body is not valid JSON: a string contains a lone surrogate escape"
+            ) from None
+
+
+def check_text(field: str, value: str, *, max_chars: int) -> None:
+    """A non-empty string of at most ``max_chars`` characters without control characters."""
+    if not 1 <= len(value) <= max_chars:
+        raise InvalidRequest(f"Invalid {field}: must be 1 to {max_chars} characters")
+    if _CONTROL.search(value):
+        raise InvalidRequest(f"Invalid {field}: must not contain control characters")
+
+
+def check_namespaced_key(key: str) -> None:
+    """A key inside a namespace: 1-200 characters, no control characters."""
+    check_text("key", key, max_chars=200)
+
+
+def key_entropy_bits(key: str) -> float:
+    """Length times the Shannon entropy per character of the key's own character frequencies."""
+    n = len(key)
+    if n == 0:
+        return 0.0
+    per_char = 0.0 - sum(c / n * math.log2(c / n) for c in Counter(key).values())
+    return n * per_char
+
+
+def check_bare_key(key: str) -> None:
+    """A key without a namespace must be long, printable ASCII and visibly random."""
+    advice = (
+        "use a random value such as str(uuid.uuid4()) or secrets.token_urlsafe(32), "
+        "or mint a namespace (POST /services/v1/lease/namespace) to use readable keys"
+    )
+    if not _BARE_KEY.match(key):
+        raise InvalidRequest(
+            "Invalid key: without a namespace a key must be 32 to 200 printable ASCII "
+            f"characters with no whitespace; {advice}"
+        )
+    bits = key_entropy_bits(key)
+    if bits < MIN_BARE_KEY_BITS:
+        raise InvalidRequest(
+            f"Invalid key: without a namespace a key must look random (at least "
+            f"{MIN_BARE_KEY_BITS:.0f} bits of entropy by its own character frequencies, "
+            f"this one has {bits:.0f}); {advice}"
+        )
+
+
+def encode_result(result: Any) -> str:
+    """The result as stored: size-checked, redacted, compact JSON text.
+
+    The 32,768-byte limit applies to the compact UTF-8 encoding of the result
+    as submitted, before redaction.
+    """
+    submitted = _compact(result)
+    if len(submitted.encode("utf-8")) > MAX_RESULT_BYTES:
+        raise PayloadTooLarge(
+            f"Result is too large: its compact JSON encoding must be at most "
+            f"{MAX_RESULT_BYTES} bytes"
+        )
+    return _compact(redact(result))
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def _secret_name(name: str) -> bool:
+    folded = name.lower().translate(_NAME_NOISE)
+    return any(word in folded for word in _SECRET_WORDS)
+
+
+def redact(value: Any) -> Any:
+    """A copy of ``value`` where every field named like a secret, at any depth, is
+    ``"[redacted]"``; everything else is unchanged."""
+    if isinstance(value, dict):
+        return {
+            name: _REDACTED if _secret_name(name) else redact(child)
+            for name, child in value.items()
+        }
+    if isinstance(value, list):
+        return [redact(child) for child in value]
+    return value

@@ -1,0 +1,44 @@
+"""Structured logs: one JSON object per line on stderr.
+
+Nothing leasekeeper logs contains a namespace, key, owner token, fingerprint or
+result: request bodies are never logged, and error messages never repeat input.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import orjson
+
+__all__ = ["configure_logging"]
+
+
+class JsonFormatter(logging.Formatter):
+    """``{"ts": ..., "level": ..., "logger": ..., "message": ...}`` per record."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return orjson.dumps(entry).decode()
+
+
+def configure_logging(level: str = "INFO") -> None:
+    """Send every log record, uvicorn's included, to stderr as JSON lines."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = []
+        logger.propagate = True

@@ -1,0 +1,145 @@
+"""Request bodies, validated strictly; shared by the HTTP and MCP adapters.
+
+Pydantic runs in strict mode (``true`` is not an integer, ``"60"`` is not an
+integer, ``1.5`` is not an integer) and unknown fields are refused, so a typo such
+as ``"fingerprnt"`` cannot silently drop the idempotency binding. JSON ``null``
+for an optional field means the same as leaving it out.
+
+Every failure becomes ``InvalidRequest`` with a message naming the field and its
+rule; the value itself is never repeated.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from leasekeeper._core import secrets, validation
+from leasekeeper._errors import InvalidRequest
+
+__all__ = [
+    "AcquireBody",
+    "CompleteBody",
+    "NamespaceBody",
+    "ReleaseBody",
+    "RenewBody",
+    "parse_body",
+]
+
+MAX_TTL_SECONDS = 86_400
+DEFAULT_TTL_SECONDS = 60
+
+# What each field must be, for error messages (never the value).
+FIELD_RULES: dict[str, str] = {
+    "namespace": "must be ns_ followed by 43 base64url characters, as returned by "
+    "POST /services/v1/lease/namespace",
+    "key": "must be a string",
+    "ttl_seconds": f"must be a JSON integer from 1 to {MAX_TTL_SECONDS}",
+    "fingerprint": "must be a string of 1 to 1024 characters",
+    "owner_token": "must be own_ followed by 43 base64url characters, as returned by acquire",
+    "result": "is required and may be any JSON value",
+}
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_]{1,40}\Z")
+
+TTL = Annotated[int, Field(ge=1, le=MAX_TTL_SECONDS, description="Lease length in seconds")]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, hide_input_in_errors=True)
+
+
+class NamespaceBody(_Body):
+    """Mint a namespace: an empty object."""
+
+
+class _KeyBody(_Body):
+    namespace: str | None = Field(
+        default=None,
+        description="A namespace from POST /lease/namespace. A bearer secret: keep it private.",
+    )
+    key: str = Field(
+        description="With a namespace: 1-200 characters, no control characters. Without: "
+        "32-200 printable ASCII characters with at least 100 bits of entropy (a uuid4).",
+    )
+
+    @model_validator(mode="after")
+    def _check_key(self) -> Any:
+        if self.namespace is not None:
+            if secrets.parse_namespace(self.namespace) is None:
+                raise InvalidRequest(f"Invalid namespace: {FIELD_RULES['namespace']}")
+            validation.check_namespaced_key(self.key)
+        else:
+            validation.check_bare_key(self.key)
+        owner_token = getattr(self, "owner_token", None)
+        if owner_token is not None and not secrets.valid_owner_token(owner_token):
+            raise InvalidRequest(f"Invalid owner_token: {FIELD_RULES['owner_token']}")
+        return self
+
+    def namespace_secret(self) -> bytes | None:
+        """The namespace's secret bytes (already validated), or None without one."""
+        return None if self.namespace is None else secrets.parse_namespace(self.namespace)
+
+
+class AcquireBody(_KeyBody):
+    """Acquire a lease on ``key``."""
+
+    ttl_seconds: TTL | None = Field(default=None, description="Default 60.")
+    fingerprint: Annotated[str, Field(min_length=1, max_length=1024)] | None = Field(
+        default=None,
+        description="Binds the key to its input for the lifecycle; absent is a binding too.",
+    )
+
+
+class RenewBody(_KeyBody):
+    """Move the lease expiry of the live owner."""
+
+    owner_token: str = Field(description="The owner token returned by acquire.")
+    ttl_seconds: TTL | None = Field(default=None, description="Default 60.")
+
+
+class ReleaseBody(_KeyBody):
+    """End the live owner's lease now."""
+
+    owner_token: str = Field(description="The owner token returned by acquire.")
+
+
+class CompleteBody(_KeyBody):
+    """Store the result and end ownership for the lifecycle."""
+
+    owner_token: str = Field(description="The owner token returned by acquire.")
+    result: Any = Field(
+        description="Any JSON value, at most 32,768 bytes compact; fields named like "
+        "secrets are stored as [redacted]."
+    )
+
+
+B = TypeVar("B", bound=_Body)
+
+
+def parse_body(model: type[B], data: dict[str, Any]) -> B:
+    """Validate ``data`` as ``model``; every failure is ``InvalidRequest``."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidRequest(_describe(exc)) from None
+
+
+def _describe(exc: ValidationError) -> str:
+    problems: list[str] = []
+    for error in exc.errors(include_input=False, include_url=False):
+        loc = error["loc"]
+        field = str(loc[0]) if loc else "body"
+        kind = error["type"]
+        if kind == "extra_forbidden":
+            name = f'"{field}"' if _SAFE_NAME.match(field) else "with an unusual name"
+            problems.append(f"Unknown field {name}")
+        elif kind == "missing":
+            problems.append(f"Missing field {field}: {FIELD_RULES.get(field, 'is required')}")
+        elif kind == "model_type" or kind == "model_attributes_type":
+            problems.append("Body must be a JSON object")
+        else:
+            problems.append(f"Invalid {field}: {FIELD_RULES.get(field, 'has the wrong type')}")
+    return "; ".join(problems) if problems else "Invalid request"

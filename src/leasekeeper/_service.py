@@ -1,0 +1,254 @@
+"""``LeaseService``: the one object that HTTP, MCP and the CLI call.
+
+It turns a validated request body into a command for the pure rules (digests
+instead of secrets, a fresh owner token), hands the command to the store, and
+turns the decision into the JSON body the spec defines. Refusals are raised as
+the exceptions of ``leasekeeper._errors``; each carries its own body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets as _random
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from leasekeeper._core import secrets, times
+from leasekeeper._core.model import (
+    Acquire,
+    Command,
+    Complete,
+    CompletedOutcome,
+    Conflict,
+    Granted,
+    Held,
+    LeaseRecord,
+    Lost,
+    Release,
+    Released,
+    Renew,
+    Renewed,
+)
+from leasekeeper._core.validation import encode_result
+from leasekeeper._errors import FingerprintConflict, InternalError, LeaseHeld, LeaseLost
+from leasekeeper._schemas import (
+    DEFAULT_TTL_SECONDS,
+    AcquireBody,
+    CompleteBody,
+    NamespaceBody,
+    ReleaseBody,
+    RenewBody,
+    parse_body,
+)
+from leasekeeper.store import Store
+
+__all__ = ["OPERATIONS", "LeaseService", "Reply"]
+
+log = logging.getLogger("leasekeeper.service")
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A successful outcome: the JSON body, and whether a new owner was created (201)."""
+
+    body: dict[str, Any]
+    created: bool = False
+
+    def json_bytes(self) -> bytes:
+        """The body as UTF-8 JSON; a stored result is embedded exactly as stored."""
+        return orjson.dumps(self.body)
+
+    def plain(self) -> dict[str, Any]:
+        """The body with the stored result parsed into Python values (for MCP)."""
+        body = dict(self.body)
+        result = body.get("result")
+        if isinstance(result, orjson.Fragment):
+            body["result"] = json.loads(result.contents)
+        return body
+
+
+class LeaseService:
+    """Leases over one store.
+
+    ``random_bytes`` supplies the randomness for namespaces and owner tokens
+    (tests may inject a deterministic source); ``lifecycle_seconds`` is the length
+    of a key's lifecycle (``LEASEKEEPER_LIFECYCLE_SECONDS``).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        lifecycle_seconds: int = 86_400,
+        cleanup_batch: int = 1000,
+        random_bytes: Callable[[int], bytes] = _random.token_bytes,
+    ) -> None:
+        self.store = store
+        self._lifecycle_ms = lifecycle_seconds * 1000
+        self._cleanup_batch = cleanup_batch
+        self._random = random_bytes
+
+    async def start(self) -> None:
+        """Open the store (idempotent)."""
+        await self.store.open()
+
+    async def stop(self) -> None:
+        """Close the store (idempotent)."""
+        await self.store.close()
+
+    async def ready(self) -> None:
+        """Raise ``ServiceUnavailable`` unless the store answers."""
+        await self.store.ping()
+
+    # -- operations ------------------------------------------------------------------------
+
+    async def create_namespace(self, body: NamespaceBody | None = None) -> Reply:
+        """Mint a namespace. Nothing is stored: the namespace is its own proof."""
+        namespace = secrets.format_namespace(self._random(secrets.SECRET_BYTES))
+        return Reply({"ok": True, "namespace": namespace, "entropy_bits": 256}, created=True)
+
+    async def acquire(self, body: AcquireBody) -> Reply:
+        """Take the lease, or learn that it is held, completed or bound elsewhere."""
+        ns = body.namespace_secret()
+        key_id = secrets.key_id(ns, body.key)
+        fingerprint = (
+            None
+            if body.fingerprint is None
+            else secrets.fingerprint_digest(ns, body.key, key_id, body.fingerprint)
+        )
+        token = secrets.format_owner_token(self._random(secrets.SECRET_BYTES))
+        ttl = DEFAULT_TTL_SECONDS if body.ttl_seconds is None else body.ttl_seconds
+        command = Acquire(
+            key_id, fingerprint, ttl * 1000, secrets.owner_digest(token), self._lifecycle_ms
+        )
+        outcome = (await self.store.apply(command)).outcome
+        if isinstance(outcome, Granted):
+            record, now = outcome.record, outcome.now_ms
+            return Reply(
+                {
+                    "ok": True,
+                    "status": "held",
+                    "owner_token": token,
+                    **_lease_times(record, now),
+                },
+                created=True,
+            )
+        if isinstance(outcome, CompletedOutcome):
+            return Reply(_completed_body(outcome.record))
+        if isinstance(outcome, Held):
+            record = outcome.record
+            raise LeaseHeld(
+                retry_after_seconds=times.retry_after_seconds(
+                    record.lease_expires_ms, outcome.now_ms
+                ),
+                fencing_token=record.fencing_token,
+                lease_expires_at=times.iso(record.lease_expires_ms),
+                absolute_expires_at=times.iso(record.absolute_expires_ms),
+            )
+        if isinstance(outcome, Conflict):
+            raise FingerprintConflict(
+                absolute_expires_at=times.iso(outcome.record.absolute_expires_ms)
+            )
+        raise _unexpected(outcome)
+
+    async def renew(self, body: RenewBody) -> Reply:
+        """Move the live owner's expiry to ``min(now + ttl, absolute_expires_at)``."""
+        ttl = DEFAULT_TTL_SECONDS if body.ttl_seconds is None else body.ttl_seconds
+        command = Renew(self._key_id(body), secrets.owner_digest(body.owner_token), ttl * 1000)
+        outcome = await self._owner_step(command)
+        if not isinstance(outcome, Renewed):
+            raise _unexpected(outcome)
+        return Reply({"ok": True, "status": "held", **_lease_times(outcome.record, outcome.now_ms)})
+
+    async def release(self, body: ReleaseBody) -> Reply:
+        """End the live owner's lease now; the key can be acquired at once."""
+        command = Release(self._key_id(body), secrets.owner_digest(body.owner_token))
+        outcome = await self._owner_step(command)
+        if not isinstance(outcome, Released):
+            raise _unexpected(outcome)
+        return Reply(
+            {"ok": True, "status": "released", "fencing_token": outcome.record.fencing_token}
+        )
+
+    async def complete(self, body: CompleteBody) -> Reply:
+        """Store the (size-checked, redacted) result and end ownership for the lifecycle."""
+        result = encode_result(body.result)
+        command = Complete(self._key_id(body), secrets.owner_digest(body.owner_token), result)
+        outcome = await self._owner_step(command)
+        if not isinstance(outcome, CompletedOutcome):
+            raise _unexpected(outcome)
+        return Reply(_completed_body(outcome.record))
+
+    async def cleanup(self) -> int:
+        """Delete every record whose lifecycle is over, in batches; return how many."""
+        total = 0
+        while True:
+            deleted = await self.store.purge(self._cleanup_batch)
+            total += deleted
+            if deleted < self._cleanup_batch:
+                return total
+            await asyncio.sleep(0)  # let requests in between batches
+
+    async def handle(self, operation: str, data: Mapping[str, Any]) -> Reply:
+        """Validate ``data`` for ``operation`` (a key of ``OPERATIONS``) and run it."""
+        model, method = OPERATIONS[operation]
+        body = parse_body(model, dict(data))
+        return await method(self, body)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _key_id(body: RenewBody | ReleaseBody | CompleteBody) -> bytes:
+        return secrets.key_id(body.namespace_secret(), body.key)
+
+    async def _owner_step(self, command: Command) -> object:
+        outcome = (await self.store.apply(command)).outcome
+        if isinstance(outcome, Lost):
+            raise LeaseLost(outcome.reason.value)
+        return outcome
+
+
+def _lease_times(record: LeaseRecord, now_ms: int) -> dict[str, Any]:
+    return {
+        "ttl_seconds": times.ttl_seconds(record.lease_expires_ms, now_ms),
+        "fencing_token": record.fencing_token,
+        "lease_expires_at_timestamp": times.floor_seconds(record.lease_expires_ms),
+        "lease_expires_at": times.iso(record.lease_expires_ms),
+        "absolute_expires_at_timestamp": times.floor_seconds(record.absolute_expires_ms),
+        "absolute_expires_at": times.iso(record.absolute_expires_ms),
+    }
+
+
+def _completed_body(record: LeaseRecord) -> dict[str, Any]:
+    if record.completed_ms is None or record.result is None:  # pragma: no cover - by the rules
+        raise InternalError()
+    return {
+        "ok": True,
+        "status": "completed",
+        "completed_at": times.iso(record.completed_ms),
+        "result": orjson.Fragment(record.result),
+        "fencing_token": record.fencing_token,
+        "absolute_expires_at": times.iso(record.absolute_expires_ms),
+    }
+
+
+def _unexpected(outcome: object) -> InternalError:
+    log.error("unexpected outcome %s", type(outcome).__name__)
+    return InternalError()
+
+
+_Method = Callable[[LeaseService, Any], Awaitable[Reply]]
+
+#: Operation name -> (request model, service method); the adapters' routing table.
+OPERATIONS: dict[str, tuple[type[Any], _Method]] = {
+    "namespace": (NamespaceBody, LeaseService.create_namespace),
+    "acquire": (AcquireBody, LeaseService.acquire),
+    "renew": (RenewBody, LeaseService.renew),
+    "release": (ReleaseBody, LeaseService.release),
+    "complete": (CompleteBody, LeaseService.complete),
+}

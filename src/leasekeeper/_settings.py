@@ -1,0 +1,122 @@
+"""Settings: read once from an environment mapping at start, then passed down.
+
+Every variable is optional. A value that does not parse is an error naming the
+variable, raised at start rather than at the first request.
+
+=====================================  ===========================  ==============
+variable                               meaning                      default
+=====================================  ===========================  ==============
+LEASEKEEPER_STORE                      store URL                    sqlite:///./leasekeeper.db
+LEASEKEEPER_HOST / LEASEKEEPER_PORT    listen address               127.0.0.1 / 8787
+LEASEKEEPER_LIFECYCLE_SECONDS          length of a key's lifecycle  86400
+LEASEKEEPER_CLEANUP_INTERVAL_SECONDS   pause between cleanups       3600
+LEASEKEEPER_CLEANUP_BATCH              records deleted per batch    1000
+LEASEKEEPER_STORE_TIMEOUT_SECONDS      longest wait for the store   5
+LEASEKEEPER_MAX_BODY_BYTES             request body limit           65536
+LEASEKEEPER_MAX_CONNECTIONS            concurrent connections       1000
+LEASEKEEPER_NAMESPACE_RATE             mints per second per address 10
+LEASEKEEPER_NAMESPACE_BURST            mint burst per address       100
+LEASEKEEPER_ADDRESS_RATE / _BURST      requests/s per address       0 (off) / 1000
+LEASEKEEPER_NAMESPACE_REQUEST_RATE     requests/s per namespace     0 (off)
+LEASEKEEPER_NAMESPACE_REQUEST_BURST    burst per namespace          1000
+LEASEKEEPER_LOG_LEVEL                  logging level                INFO
+=====================================  ===========================  ==============
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+__all__ = ["Settings", "SettingsError"]
+
+_PREFIX = "LEASEKEEPER_"
+T = TypeVar("T")
+
+
+class SettingsError(ValueError):
+    """An environment variable has a value leasekeeper cannot use."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything configurable, with the spec's defaults."""
+
+    store: str = "sqlite:///./leasekeeper.db"
+    host: str = "127.0.0.1"
+    port: int = 8787
+    lifecycle_seconds: int = 86_400
+    cleanup_interval_seconds: float = 3600.0
+    cleanup_batch: int = 1000
+    store_timeout_seconds: float = 5.0
+    max_body_bytes: int = 65_536
+    max_connections: int = 1000
+    namespace_rate: float = 10.0
+    namespace_burst: int = 100
+    address_rate: float = 0.0
+    address_burst: int = 1000
+    namespace_request_rate: float = 0.0
+    namespace_request_burst: int = 1000
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from ``environ`` (default ``os.environ``); ``overrides`` win (CLI flags)."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            name = _PREFIX + field.name.upper()
+            raw = env.get(name)
+            if raw is None or raw == "":
+                continue
+            values[field.name] = _cast(name, raw, _CASTS[field.name])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        settings = cls(**values)
+        settings._check()
+        return settings
+
+    def _check(self) -> None:
+        positive = {
+            "LEASEKEEPER_LIFECYCLE_SECONDS": self.lifecycle_seconds,
+            "LEASEKEEPER_CLEANUP_INTERVAL_SECONDS": self.cleanup_interval_seconds,
+            "LEASEKEEPER_CLEANUP_BATCH": self.cleanup_batch,
+            "LEASEKEEPER_STORE_TIMEOUT_SECONDS": self.store_timeout_seconds,
+            "LEASEKEEPER_MAX_BODY_BYTES": self.max_body_bytes,
+            "LEASEKEEPER_MAX_CONNECTIONS": self.max_connections,
+            "LEASEKEEPER_NAMESPACE_BURST": self.namespace_burst,
+            "LEASEKEEPER_ADDRESS_BURST": self.address_burst,
+            "LEASEKEEPER_NAMESPACE_REQUEST_BURST": self.namespace_request_burst,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise SettingsError(f"{name} must be greater than 0")
+        rates = {
+            "LEASEKEEPER_NAMESPACE_RATE": self.namespace_rate,
+            "LEASEKEEPER_ADDRESS_RATE": self.address_rate,
+            "LEASEKEEPER_NAMESPACE_REQUEST_RATE": self.namespace_request_rate,
+        }
+        for name, rate in rates.items():
+            if rate < 0:
+                raise SettingsError(f"{name} must be 0 (off) or a positive rate")
+        if not 0 < self.port < 65536:
+            raise SettingsError("LEASEKEEPER_PORT must be a TCP port from 1 to 65535")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise SettingsError("LEASEKEEPER_LOG_LEVEL must be DEBUG, INFO, WARNING or ERROR")
+
+
+def _cast(name: str, raw: str, cast: Callable[[str], T]) -> T:
+    try:
+        return cast(raw.strip())
+    except ValueError:
+        kinds: dict[object, str] = {int: "a whole number", float: "a number", str: "text"}
+        kind = kinds.get(cast, "a value")
+        raise SettingsError(f"{name} must be {kind}") from None
+
+
+_CASTS: dict[str, Callable[[str], Any]] = {
+    field.name: {"int": int, "float": float, "str": str}[str(field.type)]
+    for field in dataclasses.fields(Settings)
+}

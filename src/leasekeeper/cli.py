@@ -1,0 +1,129 @@
+"""The ``leasekeeper`` command: ``serve`` and ``cleanup``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from typing import Any
+
+import click
+
+from leasekeeper._logging import configure_logging
+from leasekeeper._service import LeaseService
+from leasekeeper._settings import Settings, SettingsError
+from leasekeeper.store import StoreURLError, open_store
+
+__all__ = ["main"]
+
+log = logging.getLogger("leasekeeper")
+
+
+def _settings(**overrides: Any) -> Settings:
+    try:
+        return Settings.from_env(os.environ, **overrides)
+    except SettingsError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _service(settings: Settings) -> LeaseService:
+    try:
+        store = open_store(settings.store, timeout_seconds=settings.store_timeout_seconds)
+    except StoreURLError as exc:
+        raise click.UsageError(f"--store / LEASEKEEPER_STORE: {exc}") from None
+    return LeaseService(
+        store,
+        lifecycle_seconds=settings.lifecycle_seconds,
+        cleanup_batch=settings.cleanup_batch,
+    )
+
+
+@click.group()
+@click.version_option(package_name="leasekeeper")
+def main() -> None:
+    """leasekeeper: leases, fencing tokens and idempotent results."""
+
+
+@main.command()
+@click.option("--host", default=None, help="Listen address [LEASEKEEPER_HOST, 127.0.0.1].")
+@click.option("--port", type=int, default=None, help="Listen port [LEASEKEEPER_PORT, 8787].")
+@click.option(
+    "--store",
+    default=None,
+    help="Store URL [LEASEKEEPER_STORE, sqlite:///./leasekeeper.db].",
+)
+def serve(host: str | None, port: int | None, store: str | None) -> None:
+    """Run the HTTP API (and MCP at /mcp)."""
+    import uvicorn
+
+    from leasekeeper.http import create_app, json_unavailable_app
+
+    settings = _settings(host=host, port=port, store=store)
+    configure_logging(settings.log_level)
+    app = create_app(_service(settings), settings)
+    _json_connection_limit_responses()
+    log.info(
+        "leasekeeper listening on http://%s:%d (store scheme %s)",
+        settings.host,
+        settings.port,
+        settings.store.partition(":")[0],
+    )
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop" if _has("uvloop") else "asyncio",
+        http="httptools" if _has("httptools") else "h11",
+        limit_concurrency=settings.max_connections,
+        access_log=False,
+        log_config=None,
+        timeout_keep_alive=30,
+        server_header=False,
+    )
+    del json_unavailable_app
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def _json_connection_limit_responses() -> None:
+    """Make uvicorn's connection-limit refusal a JSON 503 like every other response.
+
+    uvicorn answers past ``limit_concurrency`` with a plain-text 503 from a module
+    global it looks up per request; we replace that global with our JSON responder.
+    """
+    from leasekeeper.http import json_unavailable_app
+
+    responder = json_unavailable_app()
+    for name in ("httptools_impl", "h11_impl"):
+        try:
+            module = __import__(f"uvicorn.protocols.http.{name}", fromlist=["service_unavailable"])
+        except ImportError:
+            continue
+        module.service_unavailable = responder  # type: ignore[attr-defined]
+
+
+@main.command()
+@click.option("--store", default=None, help="Store URL [LEASEKEEPER_STORE].")
+def cleanup(store: str | None) -> None:
+    """Delete every record whose lifecycle is over, once, and print how many."""
+    settings = _settings(store=store)
+    service = _service(settings)
+
+    async def run() -> int:
+        await service.start()
+        try:
+            return await service.cleanup()
+        finally:
+            await service.stop()
+
+    try:
+        deleted = asyncio.run(run())
+    except Exception as exc:
+        click.echo(f"cleanup failed: {exc}", err=True)
+        sys.exit(1)
+    click.echo(f'{{"ok": true, "deleted": {deleted}}}')

@@ -1,0 +1,13 @@
+"""The HTTP adapter: ``create_app(service, settings)`` returns the ASGI application."""
+
+from leasekeeper.http._app import BASE_PATH, LeaseApp, create_app, json_unavailable_app
+from leasekeeper.http._errors import STATUS_CODES, error_response
+
+__all__ = [
+    "BASE_PATH",
+    "STATUS_CODES",
+    "LeaseApp",
+    "create_app",
+    "error_response",
+    "json_unavailable_app",
+]

@@ -1,0 +1,58 @@
+"""Lease stores, chosen by URL scheme in ``open_store`` and nowhere else.
+
+=================================  ===========================================
+``sqlite:///relative/path.db``     embedded SQLite file (the default,
+``sqlite:////absolute/path.db``    ``sqlite:///./leasekeeper.db``)
+``postgresql://user@host/db``      PostgreSQL, for several service instances
+``memory://``                      in-process dict; nothing survives a restart
+=================================  ===========================================
+"""
+
+from __future__ import annotations
+
+from urllib.parse import unquote, urlsplit
+
+from leasekeeper._core.clock import Clock
+from leasekeeper.store._base import MAX_FENCING_TOKEN, Store, decide_with_fence
+from leasekeeper.store._memory import MemoryStore
+from leasekeeper.store._sqlite import SqliteStore
+
+__all__ = [
+    "MAX_FENCING_TOKEN",
+    "MemoryStore",
+    "SqliteStore",
+    "Store",
+    "StoreURLError",
+    "decide_with_fence",
+    "open_store",
+]
+
+DEFAULT_STORE_URL = "sqlite:///./leasekeeper.db"
+
+
+class StoreURLError(ValueError):
+    """The store URL names no backend this leasekeeper has, or is malformed."""
+
+
+def open_store(url: str, *, clock: Clock | None = None, timeout_seconds: float = 5.0) -> Store:
+    """The store for ``url``, not yet opened (``await store.open()``).
+
+    ``clock`` replaces the store's time source (tests pass a ``FakeClock``);
+    ``timeout_seconds`` bounds how long a request waits for the store.
+    """
+    scheme = url.partition("://")[0]
+    scheme = scheme.lower()
+    if scheme == "sqlite":
+        path = unquote(urlsplit(url).path)
+        if not path.startswith("/") or len(path) < 2:
+            raise StoreURLError(
+                "SQLite store URLs look like sqlite:///relative/path.db or sqlite:////absolute.db"
+            )
+        return SqliteStore(path[1:], clock, timeout_seconds=timeout_seconds)
+    if scheme == "memory":
+        return MemoryStore(clock)
+    if scheme in ("postgresql", "postgres"):
+        raise StoreURLError("the PostgreSQL store is not available in this version")
+    raise StoreURLError(
+        "unknown store URL scheme; use sqlite:///path.db, postgresql://… or memory://"
+    )

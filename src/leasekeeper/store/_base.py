@@ -1,0 +1,74 @@
+"""The store interface: a few atomic primitives and no lease rules.
+
+A store keeps one ``LeaseRecord`` per key id and one store-wide fencing counter,
+and offers exactly this:
+
+``apply(command)``
+    Atomically, as one transaction: read the record for ``command.key_id``, run
+    ``decide_with_fence`` on it at the store's ``now``, write the decided record,
+    commit, and only then return the decision. Two ``apply`` calls on one key never
+    interleave; a returned decision is durable.
+``purge(limit)``
+    Delete up to ``limit`` records whose lifecycle is over at the store's ``now``;
+    return how many went. Deleting never lowers the fencing counter.
+``ping()``
+    Succeed when the store can serve requests (``/readyz``).
+
+Failures to reach or write the store raise ``ServiceUnavailable``; nothing else
+escapes. The rules themselves live in ``leasekeeper._core.rules``: every backend
+calls ``decide_with_fence``, so no backend can disagree with another about them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from leasekeeper._core.model import Command, Decision, LeaseRecord
+from leasekeeper._core.rules import decide
+
+__all__ = ["MAX_FENCING_TOKEN", "Store", "decide_with_fence"]
+
+#: Fencing tokens are positive integers below 2**63.
+MAX_FENCING_TOKEN = 2**63 - 1
+
+
+class Store(Protocol):
+    """Where lease records live. See the module docstring for the contract."""
+
+    async def open(self) -> None:
+        """Connect, and create or migrate the schema. Idempotent."""
+        ...
+
+    async def close(self) -> None:
+        """Finish pending work and release every resource. Idempotent."""
+        ...
+
+    async def apply(self, command: Command) -> Decision:
+        """Decide ``command`` against its key's record atomically and durably."""
+        ...
+
+    async def purge(self, limit: int) -> int:
+        """Delete up to ``limit`` records whose lifecycle is over; return the count."""
+        ...
+
+    async def ping(self) -> None:
+        """Raise ``ServiceUnavailable`` unless the store can serve requests now."""
+        ...
+
+
+def decide_with_fence(
+    record: LeaseRecord | None, command: Command, now_ms: int, next_fence: Callable[[], int]
+) -> Decision:
+    """The rules' decision, with a fencing token from ``next_fence`` when it grants a new owner.
+
+    ``next_fence`` is called only for a new owner, inside the caller's transaction,
+    and must return a value higher than any it returned before.
+    """
+    decision = decide(record, command, now_ms)
+    if decision.new_owner:
+        fence = next_fence()
+        if not 0 < fence <= MAX_FENCING_TOKEN:
+            raise OverflowError("the fencing counter is exhausted")
+        decision = decision.with_fence(fence)
+    return decision

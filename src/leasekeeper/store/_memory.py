@@ -1,0 +1,56 @@
+"""A store in a dict: for tests, and as the model other stores are compared against."""
+
+from __future__ import annotations
+
+import threading
+
+from leasekeeper._core.clock import Clock, SystemClock
+from leasekeeper._core.model import Command, Decision, LeaseRecord
+from leasekeeper._core.rules import lifecycle_over
+from leasekeeper.store._base import decide_with_fence
+
+__all__ = ["MemoryStore"]
+
+
+class MemoryStore:
+    """Keeps records in memory; nothing survives the process. ``memory://``."""
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        self._clock = clock or SystemClock()
+        self._records: dict[bytes, LeaseRecord] = {}
+        self._fence = 0
+        self._lock = threading.Lock()
+
+    async def open(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def ping(self) -> None:
+        return None
+
+    def _next_fence(self) -> int:
+        self._fence += 1
+        return self._fence
+
+    async def apply(self, command: Command) -> Decision:
+        with self._lock:
+            record = self._records.get(command.key_id)
+            decision = decide_with_fence(record, command, self._clock.now_ms(), self._next_fence)
+            if decision.write is not None:
+                self._records[command.key_id] = decision.write
+            return decision
+
+    async def purge(self, limit: int) -> int:
+        with self._lock:
+            now = self._clock.now_ms()
+            over = [k for k, r in self._records.items() if lifecycle_over(r, now)][:limit]
+            for key_id in over:
+                del self._records[key_id]
+            return len(over)
+
+    def records(self) -> dict[bytes, LeaseRecord]:
+        """A snapshot of every record (tests read it to look at what is stored)."""
+        with self._lock:
+            return dict(self._records)

@@ -1,0 +1,309 @@
+"""The embedded SQLite store: one writer thread, group commit, full durability.
+
+Every operation is queued to a single writer thread that owns the connection.
+The thread takes whatever is queued (up to ``max_batch``), applies each
+operation in order inside one ``BEGIN IMMEDIATE`` transaction, commits once,
+and only then answers the waiting requests::
+
+    event loop:  req1 req2 req3 ──queue──►  writer: BEGIN IMMEDIATE
+                                                    apply req1, req2, req3
+                                                    COMMIT (one fsync)
+                 ◄──────── answers ───────────────  deliver 1, 2, 3
+
+While one batch is being fsynced the next one fills up, so throughput grows with
+load while each acknowledged write is already on disk (WAL, ``synchronous=FULL``).
+The event loop never touches SQLite, so neither commits nor WAL checkpoints
+block it. The fencing counter lives in its own row and is read inside each
+transaction, so it never goes back, not even when every record is deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import sqlite3
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from leasekeeper._core.clock import Clock, SystemClock
+from leasekeeper._core.model import Command, Decision, LeaseRecord
+from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
+from leasekeeper.store._base import decide_with_fence
+
+__all__ = ["SqliteStore"]
+
+log = logging.getLogger("leasekeeper.store.sqlite")
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (
+    name  TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+) WITHOUT ROWID;
+INSERT OR IGNORE INTO meta (name, value) VALUES ('fence', 0);
+CREATE TABLE IF NOT EXISTS leases (
+    key_id              BLOB PRIMARY KEY,
+    fingerprint         BLOB,
+    absolute_expires_ms INTEGER NOT NULL,
+    fencing_token       INTEGER NOT NULL,
+    owner               BLOB,
+    lease_expires_ms    INTEGER NOT NULL,
+    completed_ms        INTEGER,
+    result              TEXT,
+    updated_ms          INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS leases_lifecycle_end ON leases (absolute_expires_ms);
+"""
+
+_SELECT = (
+    "SELECT fingerprint, absolute_expires_ms, fencing_token, owner, lease_expires_ms, "
+    "completed_ms, result, updated_ms FROM leases WHERE key_id = ?"
+)
+_UPSERT = "INSERT OR REPLACE INTO leases VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+_PURGE = (
+    "DELETE FROM leases WHERE key_id IN "
+    "(SELECT key_id FROM leases WHERE absolute_expires_ms <= ? LIMIT ?)"
+)
+
+
+@dataclass(slots=True)
+class _Op:
+    run: Callable[[sqlite3.Connection, Callable[[], int]], Any]
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+
+
+_STOP = object()
+
+
+class SqliteStore:
+    """Records in one SQLite file (``sqlite:///path/to.db``)."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        clock: Clock | None = None,
+        *,
+        max_batch: int = 512,
+        timeout_seconds: float = 5.0,
+    ) -> None:
+        self.path = Path(path)
+        self._clock = clock or SystemClock()
+        self._max_batch = max_batch
+        self._timeout = timeout_seconds
+        self._queue: queue.SimpleQueue[_Op | object] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._open_lock = asyncio.Lock()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        async with self._open_lock:
+            if self._thread is not None:
+                return
+            loop = asyncio.get_running_loop()
+            ready: asyncio.Future[None] = loop.create_future()
+            thread = threading.Thread(
+                target=self._writer, args=(loop, ready), name="leasekeeper-sqlite", daemon=True
+            )
+            thread.start()
+            await ready
+            self._thread = thread
+
+    async def close(self) -> None:
+        async with self._open_lock:
+            thread, self._thread = self._thread, None
+            if thread is None:
+                return
+            self._queue.put(_STOP)
+            await asyncio.get_running_loop().run_in_executor(None, thread.join)
+
+    # -- the interface ---------------------------------------------------------------------
+
+    async def apply(self, command: Command) -> Decision:
+        clock = self._clock
+
+        def run(conn: sqlite3.Connection, next_fence: Callable[[], int]) -> Decision:
+            row = conn.execute(_SELECT, (command.key_id,)).fetchone()
+            record = None if row is None else LeaseRecord(command.key_id, *row)
+            decision = decide_with_fence(record, command, clock.now_ms(), next_fence)
+            if decision.write is not None:
+                w = decision.write
+                conn.execute(
+                    _UPSERT,
+                    (
+                        w.key_id,
+                        w.fingerprint,
+                        w.absolute_expires_ms,
+                        w.fencing_token,
+                        w.owner,
+                        w.lease_expires_ms,
+                        w.completed_ms,
+                        w.result,
+                        w.updated_ms,
+                    ),
+                )
+            return decision
+
+        decision: Decision = await self._submit(run)
+        return decision
+
+    async def purge(self, limit: int) -> int:
+        clock = self._clock
+
+        def run(conn: sqlite3.Connection, _next_fence: Callable[[], int]) -> int:
+            return conn.execute(_PURGE, (clock.now_ms(), limit)).rowcount
+
+        count: int = await self._submit(run)
+        return count
+
+    async def ping(self) -> None:
+        def run(conn: sqlite3.Connection, _next_fence: Callable[[], int]) -> None:
+            conn.execute("SELECT 1").fetchone()
+
+        await self._submit(run)
+
+    def fencing_counter(self) -> int:
+        """The counter's committed value, read on a separate connection (tests, tools)."""
+        with contextlib.closing(sqlite3.connect(self.path)) as conn:
+            row = conn.execute("SELECT value FROM meta WHERE name = 'fence'").fetchone()
+            return int(row[0])
+
+    # -- the writer thread -----------------------------------------------------------------
+
+    async def _submit(self, run: Callable[[sqlite3.Connection, Callable[[], int]], Any]) -> Any:
+        if self._thread is None:
+            raise ServiceUnavailable("The lease store is not open")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._queue.put(_Op(run, future, loop))
+        try:
+            async with asyncio.timeout(self._timeout):
+                return await future
+        except TimeoutError:
+            raise ServiceUnavailable("The lease store did not answer in time") from None
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            self.path, isolation_level=None, check_same_thread=False, cached_statements=64
+        )
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = FULL")
+        conn.execute(f"PRAGMA busy_timeout = {int(self._timeout * 1000)}")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+            conn.execute(
+                "INSERT OR IGNORE INTO meta (name, value) VALUES ('schema_version', ?)",
+                (SCHEMA_VERSION,),
+            )
+            (version,) = conn.execute(
+                "SELECT value FROM meta WHERE name = 'schema_version'"
+            ).fetchone()
+            if version > SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"{self.path} has schema version {version}; this leasekeeper "
+                    f"knows up to {SCHEMA_VERSION}: upgrade leasekeeper"
+                )
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            conn.close()
+            raise
+        return conn
+
+    def _writer(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Future[None]) -> None:
+        try:
+            conn = self._connect()
+        except (sqlite3.Error, OSError, RuntimeError) as exc:
+            log.error("cannot open the SQLite store at %s: %s", self.path, exc)
+            error = ServiceUnavailable(f"Cannot open the SQLite store: {exc}")
+            loop.call_soon_threadsafe(_settle, ready, None, error)
+            return
+        loop.call_soon_threadsafe(_settle, ready, None, None)
+        try:
+            while True:
+                first = self._queue.get()
+                if first is _STOP:
+                    break
+                batch = [first]
+                stop = False
+                while len(batch) < self._max_batch:
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is _STOP:
+                        stop = True
+                        break
+                    batch.append(item)
+                self._run_batch(conn, batch)  # type: ignore[arg-type]
+                if stop:
+                    break
+        finally:
+            conn.close()
+
+    def _run_batch(self, conn: sqlite3.Connection, batch: list[_Op]) -> None:
+        results: list[tuple[_Op, Any, BaseException | None]] = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                (start,) = conn.execute("SELECT value FROM meta WHERE name = 'fence'").fetchone()
+                fence = start
+
+                def next_fence() -> int:
+                    nonlocal fence
+                    fence += 1
+                    return int(fence)
+
+                for op in batch:
+                    if op.future.done():  # the caller gave up (timeout, disconnect)
+                        continue
+                    try:
+                        results.append((op, op.run(conn, next_fence), None))
+                    except sqlite3.Error:
+                        raise
+                    except LeaseError as exc:
+                        results.append((op, None, exc))
+                    except Exception:
+                        log.exception("lease decision failed")
+                        results.append((op, None, InternalError()))
+                if fence != start:
+                    conn.execute("UPDATE meta SET value = ? WHERE name = 'fence'", (fence,))
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            log.error("SQLite transaction failed, %d operations refused: %s", len(batch), exc)
+            error = ServiceUnavailable("The lease store could not complete the write")
+            results = [(op, None, error) for op in batch]
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Op, Any, BaseException | None]]] = {}
+        for entry in results:
+            by_loop.setdefault(entry[0].loop, []).append(entry)
+        for loop, entries in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
+                loop.call_soon_threadsafe(_deliver, entries)
+
+
+def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(value)
+
+
+def _deliver(entries: list[tuple[_Op, Any, BaseException | None]]) -> None:
+    for op, value, error in entries:
+        _settle(op.future, value, error)
