@@ -36,7 +36,7 @@ bench: $(STAMP)  ## benchmarks (minutes); never part of `make test`
 	$(BIN)/python -m bench
 
 soak: $(STAMP)  ## long fault and contention runs (minutes)
-	LEASEKEEPER_SOAK=1 $(BIN)/pytest -q -p no:cacheprovider -m slow tests
+	LEASEKEEPER_SOAK=1 $(BIN)/pytest -q -p no:cacheprovider -m soak -s tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,159 @@
+"""Shared fixtures: a fake clock, stores of every backend, and the in-process HTTP app.
+
+Store backends are named by ``STORE_KINDS``; a test parametrized over
+``store_kind`` runs against each. PostgreSQL tests use
+``LEASEKEEPER_TEST_POSTGRES_URL`` and a schema of their own that is dropped
+afterwards; without that variable they skip with the reason, except in CI
+(``CI=true``), where a missing PostgreSQL is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from leasekeeper import FakeClock, LeaseService, Settings
+from leasekeeper.http import create_app
+from leasekeeper.store import MemoryStore, SqliteStore, Store
+
+BASE = "/services/v1"
+STORE_KINDS = ["memory", "sqlite"]
+
+
+class FakeMonotonic:
+    """A monotonic time source for rate limits that only moves when told to."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def monotonic() -> FakeMonotonic:
+    return FakeMonotonic()
+
+
+StoreFactory = Callable[..., Store]
+
+
+@pytest.fixture
+def make_store(tmp_path: Path, clock: FakeClock) -> StoreFactory:
+    """``make_store(kind)`` builds an unopened store of that kind on the shared fake clock."""
+    counter = iter(range(1_000_000))
+
+    def make(kind: str, **options: Any) -> Store:
+        if kind == "memory":
+            return MemoryStore(clock)
+        if kind == "sqlite":
+            return SqliteStore(tmp_path / f"store-{next(counter)}.db", clock, **options)
+        raise ValueError(f"unknown store kind {kind}")
+
+    return make
+
+
+class Api:
+    """A TestClient with the lease routes as methods; each returns the httpx response."""
+
+    def __init__(self, client: TestClient, service: LeaseService, app: Any) -> None:
+        self.client = client
+        self.service = service
+        self.app = app
+
+    def post(self, route: str, body: Any = None, **kwargs: Any) -> Any:
+        if body is not None and "content" not in kwargs:
+            kwargs["json"] = body
+        return self.client.post(f"{BASE}{route}", **kwargs)
+
+    def namespace(self) -> str:
+        response = self.post("/lease/namespace", {})
+        assert response.status_code == 201, response.text
+        return str(response.json()["namespace"])
+
+    def acquire(self, **body: Any) -> Any:
+        return self.post("/lease", body)
+
+    def renew(self, **body: Any) -> Any:
+        return self.post("/lease/renew", body)
+
+    def release(self, **body: Any) -> Any:
+        return self.post("/lease/release", body)
+
+    def complete(self, **body: Any) -> Any:
+        return self.post("/lease/complete", body)
+
+
+ApiFactory = Callable[..., Api]
+
+
+@pytest.fixture
+def make_api(make_store: StoreFactory, monotonic: FakeMonotonic) -> Iterator[ApiFactory]:
+    """``make_api(store_kind="sqlite", lifecycle_seconds=86400, **settings)`` -> a running Api."""
+    opened: list[TestClient] = []
+
+    def make(
+        store_kind: str = "sqlite",
+        *,
+        lifecycle_seconds: int = 86_400,
+        store: Store | None = None,
+        **settings: Any,
+    ) -> Api:
+        store = store or make_store(store_kind)
+        service = LeaseService(store, lifecycle_seconds=lifecycle_seconds)
+        app = create_app(
+            service,
+            Settings(lifecycle_seconds=lifecycle_seconds, **settings),
+            monotonic=monotonic,
+            run_cleanup=False,
+        )
+        client = TestClient(app, raise_server_exceptions=False)
+        client.__enter__()
+        opened.append(client)
+        return Api(client, service, app)
+
+    yield make
+    for client in opened:
+        client.__exit__(None, None, None)
+
+
+@pytest.fixture
+def api(make_api: ApiFactory) -> Api:
+    """The HTTP API over an SQLite store with the fake clock."""
+    return make_api("sqlite")
+
+
+@pytest.fixture
+def ns(api: Api) -> str:
+    return api.namespace()
+
+
+def postgres_url() -> str | None:
+    """The PostgreSQL URL for tests, or None (skip locally, fail in CI)."""
+    url = os.environ.get("LEASEKEEPER_TEST_POSTGRES_URL")
+    if not url and os.environ.get("CI"):
+        pytest.fail("CI needs PostgreSQL: set LEASEKEEPER_TEST_POSTGRES_URL (make test does)")
+    return url
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Soak runs take minutes: they run only under ``make soak`` (LEASEKEEPER_SOAK=1)."""
+    if os.environ.get("LEASEKEEPER_SOAK"):
+        return
+    skip = pytest.mark.skip(reason="soak run: use make soak (LEASEKEEPER_SOAK=1)")
+    for item in items:
+        if "soak" in item.keywords:
+            item.add_marker(skip)
