@@ -88,7 +88,9 @@ def make_store(tmp_path: Path, clock: FakeClock) -> Iterator[StoreFactory]:
                 schema = new_schema_name()
                 schemas.append(schema)
             options.setdefault("application_name", schema)
-            return PostgresStore(url, clock=clock, schema=schema, **options)
+            options.setdefault("clock", clock)
+            # ``url=`` connects elsewhere (a proxy in fault tests); the schema is the same.
+            return PostgresStore(options.pop("url", url), schema=schema, **options)
         raise ValueError(f"unknown store kind {kind}")
 
     yield make
