@@ -68,6 +68,8 @@ def _postgres_store(url: str, clock: Clock | None, timeout_seconds: float) -> St
             "the PostgreSQL store needs psycopg and psycopg-pool: "
             "pip install 'leasekeeper[postgres]'"
         ) from exc
+    # libpq knows the scheme only in lower case.
+    url = "postgresql" + url[url.index("://") :]
     try:
         return PostgresStore(url, clock=clock, timeout_seconds=timeout_seconds)
     except ValueError as exc:
