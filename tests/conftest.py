@@ -62,17 +62,16 @@ def make_store(tmp_path: Path, clock: FakeClock) -> Iterator[StoreFactory]:
     of their own, dropped at teardown together with their connections.
     """
     counter = iter(range(1_000_000))
-    paths: dict[int, Path] = {}
     schemas: list[str] = []
 
     def make(kind: str, *, like: Store | None = None, **options: Any) -> Store:
         if kind == "memory":
             return like if like is not None else MemoryStore(clock)
         if kind == "sqlite":
-            path = paths[id(like)] if like is not None else tmp_path / f"store-{next(counter)}.db"
-            store = SqliteStore(path, clock, **options)
-            paths[id(store)] = path
-            return store
+            if like is not None:
+                assert isinstance(like, SqliteStore)
+                return SqliteStore(like.path, clock, **options)
+            return SqliteStore(tmp_path / f"store-{next(counter)}.db", clock, **options)
         if kind == "postgres":
             url = postgres_url()
             if url is None:

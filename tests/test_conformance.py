@@ -446,11 +446,18 @@ def test_encoded_results_round_trip(on_store: Any) -> None:
 # -- concurrency -----------------------------------------------------------------------------
 
 
+async def warm_up(*stores: Store) -> None:
+    """Concurrent work on other keys first, so that pooled stores have connections to race on."""
+    for _ in range(3):
+        await asyncio.gather(*(acquire(s, new_id()) for s in stores for _ in range(32)))
+
+
 def test_concurrent_acquires_grant_exactly_one_owner(on_store: Any) -> None:
     """64 concurrent acquisitions of one key: one grant, 63 told it is held by that grant."""
 
     async def body(store: Store) -> None:
         key = new_id()
+        await warm_up(store)
         decisions = await asyncio.gather(*(acquire(store, key) for _ in range(64)))
         grants = [d.outcome for d in decisions if isinstance(d.outcome, Granted)]
         held = [d.outcome for d in decisions if isinstance(d.outcome, Held)]
@@ -462,21 +469,27 @@ def test_concurrent_acquires_grant_exactly_one_owner(on_store: Any) -> None:
 
 
 def test_two_instances_on_one_store_grant_exactly_one_owner(
-    make_store: StoreFactory, store_kind: str
+    make_store: StoreFactory, store_kind: str, clock: FakeClock
 ) -> None:
-    """Two store instances over the same data, racing on one key, grant it once."""
+    """Two store instances over the same data, racing on a key, new or expired, grant it once."""
+
+    async def race(stores: tuple[Store, Store], key: bytes) -> Granted:
+        decisions = await asyncio.gather(*(acquire(s, key) for _ in range(32) for s in stores))
+        grants = [d.outcome for d in decisions if isinstance(d.outcome, Granted)]
+        assert len(grants) == 1
+        assert sum(isinstance(d.outcome, Held) for d in decisions) == 63
+        return grants[0]
 
     async def main() -> None:
         first = make_store(store_kind)
         second = make_store(store_kind, like=first)
         async with opened(first), opened(second):
             key = new_id()
-            decisions = await asyncio.gather(
-                *(acquire(s, key) for _ in range(32) for s in (first, second))
-            )
-            grants = [d for d in decisions if isinstance(d.outcome, Granted)]
-            assert len(grants) == 1
-            assert sum(isinstance(d.outcome, Held) for d in decisions) == 63
+            await warm_up(first, second)
+            created = await race((first, second), key)
+            clock.advance(TTL / 1000)
+            taken = await race((first, second), key)
+            assert taken.record.fencing_token > created.record.fencing_token
 
     asyncio.run(main())
 
@@ -491,5 +504,24 @@ def test_concurrent_owners_on_many_keys_keep_fences_unique(on_store: Any) -> Non
         ]
         assert len(fences) == 100
         assert len(set(fences)) == 100
+
+    on_store(body)
+
+
+def test_concurrent_acquires_of_an_expired_lease_grant_exactly_one_owner(
+    on_store: Any, clock: FakeClock
+) -> None:
+    """64 concurrent acquisitions of a key whose lease ran out: one new owner, one new fence."""
+
+    async def body(store: Store) -> None:
+        key = new_id()
+        first = await grant(store, key, new_id())
+        clock.advance(TTL / 1000)
+        await warm_up(store)
+        decisions = await asyncio.gather(*(acquire(store, key) for _ in range(64)))
+        grants = [d.outcome for d in decisions if isinstance(d.outcome, Granted)]
+        assert len(grants) == 1
+        assert grants[0].record.fencing_token > first.record.fencing_token
+        assert sum(isinstance(d.outcome, Held) for d in decisions) == 63
 
     on_store(body)
