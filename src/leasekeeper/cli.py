@@ -127,3 +127,7 @@ def cleanup(store: str | None) -> None:
         click.echo(f"cleanup failed: {exc}", err=True)
         sys.exit(1)
     click.echo(f'{{"ok": true, "deleted": {deleted}}}')
+
+
+if __name__ == "__main__":  # pragma: no cover - python -m leasekeeper.cli
+    main()
