@@ -249,3 +249,47 @@ def test_server_cleans_up_on_its_interval(tmp_path: Path) -> None:
         assert _count(db) == 0
         metrics = httpx.get(server.url + "/metrics").text
         assert 'leasekeeper_cleanup_runs_total{result="ok"}' in metrics
+
+
+def test_requests_over_the_in_flight_cap_get_json_503(tmp_path: Path) -> None:
+    """Past LEASEKEEPER_MAX_CONNECTIONS requests in flight, the rest get 503 unavailable."""
+
+    async def main() -> list[httpx.Response]:
+        service = LeaseService(SqliteStore(tmp_path / "cap.db", FakeClock()))
+        app = create_app(service, Settings(max_connections=1), run_cleanup=False)
+        await service.start()
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                body = {"namespace": "ns_" + "D" * 42 + "A", "key": "k"}
+                calls = [client.post("/services/v1/lease", json=body) for _ in range(20)]
+                return list(await asyncio.gather(*calls))
+        finally:
+            await service.stop()
+
+    responses = asyncio.run(main())
+    refused = [r for r in responses if r.status_code == 503]
+    assert refused, "some requests must find the cap reached"
+    assert [r.status_code for r in responses].count(201) == 1
+    for response in refused:
+        assert response.json()["status"] == "unavailable"
+        assert response.headers["retry-after"] == "1"
+        assert response.headers["cache-control"] == "no-store"
+
+
+def test_connections_over_the_cap_get_json_503(tmp_path: Path) -> None:
+    """uvicorn's own connection-limit answer is JSON too (its plain-text default is replaced)."""
+    import socket
+
+    env = {"LEASEKEEPER_MAX_CONNECTIONS": "2"}
+    with running_server(f"sqlite:///{tmp_path / 'conn.db'}", tmp_path / "log", env) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        try:
+            time.sleep(0.2)  # let the server accept the idle connections
+            response = httpx.get(server.url + "/healthz", timeout=5)
+        finally:
+            for sock in idle:
+                sock.close()
+        assert response.status_code == 503
+        assert response.json()["status"] == "unavailable"
