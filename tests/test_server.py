@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from leasekeeper import FakeClock, LeaseService, Settings
+from leasekeeper import FakeClock, LeaseError, LeaseService, Settings
 from leasekeeper._core import secrets as lk_secrets
 from leasekeeper.http import create_app
 from leasekeeper.store import SqliteStore
@@ -293,3 +293,31 @@ def test_connections_over_the_cap_get_json_503(tmp_path: Path) -> None:
                 sock.close()
         assert response.status_code == 503
         assert response.json()["status"] == "unavailable"
+
+
+def test_sqlite_writer_survives_a_failing_batch(tmp_path: Path) -> None:
+    """A fault outside any single operation fails that batch only; the writer keeps serving."""
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "w.db", FakeClock())
+        service = LeaseService(store)
+        await service.start()
+        original = store._run_batch
+        calls = 0
+
+        def flaky(conn: Any, batch: Any) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("simulated fault")
+            original(conn, batch)
+
+        store._run_batch = flaky  # type: ignore[method-assign]
+        body = {"namespace": "ns_" + "E" * 42 + "A", "key": "k"}
+        with pytest.raises(LeaseError) as first:
+            await service.handle("acquire", body)
+        assert first.value.status == "internal"
+        assert (await service.handle("acquire", body)).created
+        await service.stop()
+
+    asyncio.run(main())
