@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import re
 import secrets
@@ -700,3 +701,39 @@ class TestLimits:
         codes = [api.acquire(namespace=busy, key="k").status_code for _ in range(3)]
         assert codes == [201, 409, 429]
         assert api.acquire(namespace=quiet, key="k").status_code == 201
+
+
+def test_a_client_that_disconnects_mid_body_is_no_server_error() -> None:
+    """A body cut off by a disconnect is answered as a client problem, not a 500."""
+    from leasekeeper import LeaseService, Settings
+    from leasekeeper.http import create_app
+    from leasekeeper.store import MemoryStore
+
+    app = create_app(LeaseService(MemoryStore(FakeClock())), Settings(), run_cleanup=False)
+    messages = [
+        {"type": "http.request", "body": b'{"key": "', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/services/v1/lease",
+        "raw_path": b"/services/v1/lease",
+        "query_string": b"",
+        "headers": [],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+        "scheme": "http",
+        "http_version": "1.1",
+        "root_path": "",
+    }
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["status"] == 400
