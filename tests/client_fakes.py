@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, ClassVar
 
 import httpx
@@ -61,6 +61,9 @@ class FakeTime:
     def event(self) -> FakeEvent:
         return FakeEvent(self)
 
+    def signal(self) -> FakeSignal:
+        return FakeSignal(self)
+
 
 class FakeEvent:
     """``threading.Event``'s shape; ``wait(t)`` moves the fake clock by ``t`` unless set."""
@@ -88,6 +91,11 @@ class FakeSignal(FakeEvent):
 
     async def wait(self, seconds: float | None = None) -> bool:  # type: ignore[override]
         return FakeEvent.wait(self, seconds)
+
+
+def manual_task(coroutine: Coroutine[Any, Any, None]) -> None:
+    """A task factory that runs nothing: the test turns the async worker with ``step()``."""
+    coroutine.close()
 
 
 class ManualThread:
