@@ -246,5 +246,7 @@ def test_run_stops_the_command_when_the_lease_is_lost(
     report = orjson.loads(result.stderr.strip().splitlines()[-1])
     assert report["status"] == "lost"
     assert report["command"] == how
+    assert "leasekeeper: lease lost" in result.stderr  # the client's WARNING, said plainly
+    assert cli.environ["LEASEKEEPER_NAMESPACE"] not in result.output
     # Nothing was recorded, and the new owner still holds the key.
     assert cli("acquire", "--key", "cron").exit_code == EXIT_HELD

@@ -193,6 +193,19 @@ def test_injected_httpx_client_and_url_with_base_path(api: Any) -> None:
         LeaseClient(client=http, transport=bridge(api))
 
 
+def test_starlette_testclient_can_be_injected_too(api: Any, fake_time: FakeTime) -> None:
+    """Starlette's TestClient (an httpx2.Client, not an httpx.Client) works duck-typed."""
+    client = LeaseClient(
+        client=api.client, monotonic=fake_time.monotonic, event_factory=fake_time.event,
+        thread_factory=ManualThread,
+    )  # fmt: skip
+    namespace = client.create_namespace()
+    with client.lease(namespace, KEY, ttl=30) as lease:
+        assert lease.renewer is not None
+        assert lease.renewer.step()
+    assert isinstance(client.acquire(namespace, KEY), Lease)
+
+
 # -- waiting for a held key -------------------------------------------------------------------
 
 
@@ -285,6 +298,24 @@ def test_renewal_runs_at_a_third_of_the_ttl(
         assert lease.grant.lease_expires_at_timestamp == expiry + 20
         lease.check()
     assert not worker.step()  # stopped with the block
+
+
+def test_a_renewal_request_never_waits_past_the_lease(
+    api: Any, fake_time: FakeTime, namespace: str
+) -> None:
+    """On its own httpx client, a renewal's timeout is cut to the time the lease has left."""
+    timeouts: list[Any] = []
+
+    def record(request: httpx.Request) -> None:
+        if request.url.path.endswith("/renew"):
+            timeouts.append(request.extensions["timeout"]["read"])
+
+    client = make_client(api, fake_time, fault=record)
+    with client.lease(namespace, KEY, ttl=3) as lease:
+        assert worker_of(lease).step()  # at t=1: 2 s left
+    with client.lease(namespace, KEY, ttl=60) as lease:
+        assert worker_of(lease).step()  # at t=20: 40 s left, the client's 10 s apply
+    assert timeouts == [pytest.approx(2.0), 10.0]
 
 
 def test_server_taking_the_lease_away_sets_lost(

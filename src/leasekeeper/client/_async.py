@@ -106,7 +106,9 @@ class AsyncLeaseClient:
     ) -> Any:
         content = encode(body)
         try:
-            if request_seconds is None:
+            # A shorter timeout only on our own client: an injected one keeps its settings
+            # (Starlette's TestClient, for one, refuses a per-request timeout).
+            if request_seconds is None or not self._owns_http:
                 response = await self._http.post(
                     self._prefix + route, content=content, headers=HEADERS
                 )

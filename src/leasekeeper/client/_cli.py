@@ -15,6 +15,7 @@ code  meaning      when
 13    invalid      the service refused the request as invalid or too large
 14    unavailable  the service is unreachable, unavailable or rate limiting: retry
 15    completed    ``acquire``: the key's work is already done; the JSON has the result
+127   not started  ``run``: the command could not be started
 ====  ===========  ===============================================================
 
 ``run`` exits with its command's status when the command ran (128 + N when a
@@ -31,6 +32,7 @@ the JSON that ``leasekeeper namespace`` / ``leasekeeper acquire`` printed.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -116,6 +118,21 @@ class CliEnvironment:
     environ: Mapping[str, str] = field(default_factory=lambda: os.environ)
     make_client: Callable[[str, float], LeaseClient] = _default_client
     stderr_is_terminal: Callable[[], bool] = _stderr_is_terminal
+
+
+class _StderrHandler(logging.Handler):
+    """Client warnings as ``leasekeeper: ...`` on the current stderr (click's, in tests)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"leasekeeper: {record.getMessage()}", err=True)
+
+
+def _log_warnings() -> None:
+    """Send the client's WARNINGs to stderr, once per process."""
+    logger = logging.getLogger("leasekeeper.client")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler(logging.WARNING)
+        logger.addHandler(handler)
 
 
 def _env() -> CliEnvironment:
@@ -270,6 +287,7 @@ class _Target:
 
 
 def _target(options: Mapping[str, Any], *, with_fingerprint: bool = False) -> _Target:
+    _log_warnings()
     env = _env()
     environ = env.environ
     url = options.get("url") or environ.get("LEASEKEEPER_URL") or DEFAULT_URL

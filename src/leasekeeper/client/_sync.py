@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec
 
 import httpx
 
@@ -44,7 +44,6 @@ __all__ = ["HeldLease", "LeaseClient"]
 log = logging.getLogger("leasekeeper.client")
 
 P = ParamSpec("P")
-R = TypeVar("R")
 
 #: ``on_wait(error, delay_seconds)``: told before each wait for a held key.
 OnWait = Callable[[LeaseError, float], object]
@@ -118,7 +117,9 @@ class LeaseClient:
     def _post(self, route: str, body: dict[str, Any], request_seconds: float | None = None) -> Any:
         content = encode(body)
         try:
-            if request_seconds is None:
+            # A shorter timeout only on our own client: an injected one keeps its settings
+            # (Starlette's TestClient, for one, refuses a per-request timeout).
+            if request_seconds is None or not self._owns_http:
                 response = self._http.post(self._prefix + route, content=content, headers=HEADERS)
             else:
                 response = self._http.post(
