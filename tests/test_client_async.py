@@ -264,3 +264,28 @@ def test_async_once_runs_once_across_tasks(run_app: Callable[..., None]) -> None
             assert calls == [7]
 
     run_app(scenario)
+
+
+def test_async_check_after_the_local_expiry_calls_on_lost(
+    run_app: Callable[..., None], fake_time: FakeTime
+) -> None:
+    """check() past the local expiry raises and still runs a coroutine on_lost, once."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        client = fake_client(transport, fake_time)
+        namespace = await client.create_namespace()
+        told: list[LeaseLost] = []
+
+        async def on_lost(error: LeaseLost) -> None:
+            told.append(error)
+
+        async with client.lease(namespace, KEY, ttl=30, on_lost=on_lost) as lease:
+            fake_time.clock.advance(30)
+            for _ in range(2):
+                with pytest.raises(LeaseLost, match="expired"):
+                    lease.check()
+            await asyncio.sleep(0)
+            assert lease.lost.is_set()
+            assert len(told) == 1
+
+    run_app(scenario)

@@ -291,6 +291,7 @@ class AsyncHeldLease:
         self.completion: Completed | None = None
         self.renewer: AsyncRenewalWorker | None = None
         self._lock = asyncio.Lock()
+        self._callbacks: set[asyncio.Future[None]] = set()
         self._entered = False
         self._ended = False
 
@@ -375,7 +376,11 @@ class AsyncHeldLease:
         renewer = self.renewer
         if renewer is not None and renewer.plan.expired(self._client._monotonic()):
             error = LeaseLost("The lease expired before a renewal succeeded")
-            self._set_lost(error)
+            if self._set_lost(error) and self._on_lost is not None:
+                # check() is not a coroutine: a coroutine on_lost runs as a task.
+                task = asyncio.ensure_future(self._call_on_lost(error))
+                self._callbacks.add(task)
+                task.add_done_callback(self._callbacks.discard)
             raise LeaseLost(error.error)
 
     async def complete(self, result: Any) -> Any:
@@ -433,7 +438,11 @@ class AsyncHeldLease:
 
     async def _lost(self, error: LeaseLost) -> None:
         """Ownership ended without us: set ``lost``, log a WARNING, call ``on_lost`` once."""
-        if not self._set_lost(error) or self._on_lost is None:
+        if self._set_lost(error):
+            await self._call_on_lost(error)
+
+    async def _call_on_lost(self, error: LeaseLost) -> None:
+        if self._on_lost is None:
             return
         try:
             outcome = self._on_lost(error)
