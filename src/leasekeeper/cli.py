@@ -13,6 +13,7 @@ import click
 from leasekeeper._logging import configure_logging
 from leasekeeper._service import LeaseService
 from leasekeeper._settings import Settings, SettingsError
+from leasekeeper.client._cli import CLIENT_COMMANDS
 from leasekeeper.store import StoreURLError, open_store
 
 __all__ = ["main"]
@@ -43,6 +44,11 @@ def _service(settings: Settings) -> LeaseService:
 @click.version_option(package_name="leasekeeper")
 def main() -> None:
     """leasekeeper: leases, fencing tokens and idempotent results."""
+
+
+# namespace, acquire, renew, release, complete, run: the client commands.
+for _command in CLIENT_COMMANDS:
+    main.add_command(_command)
 
 
 @main.command()
