@@ -11,7 +11,6 @@ from typing import Any
 import httpx
 import pytest
 
-from client_fakes import BASE_URL, FakeTime, manual_task
 from leasekeeper import (
     AsyncLeaseClient,
     FakeClock,
@@ -24,6 +23,7 @@ from leasekeeper import (
 )
 from leasekeeper.client import AsyncHeldLease, AsyncRenewalWorker, Completed, Lease
 from leasekeeper.http import create_app
+from tests.client_fakes import BASE_URL, FakeTime, manual_task
 
 KEY = "invoice:2026-09-05"
 

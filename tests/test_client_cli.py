@@ -13,7 +13,6 @@ import orjson
 import pytest
 from click.testing import CliRunner, Result
 
-from client_fakes import BASE_URL, bridge
 from leasekeeper import FakeClock, LeaseClient
 from leasekeeper.cli import main
 from leasekeeper.client._cli import (
@@ -25,6 +24,7 @@ from leasekeeper.client._cli import (
     EXIT_UNAVAILABLE,
     CliEnvironment,
 )
+from tests.client_fakes import BASE_URL, bridge
 
 
 class Cli:

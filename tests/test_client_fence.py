@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from conftest import postgres_url
 from leasekeeper import LeaseLost, StaleFence
 from leasekeeper.client import FenceGuard
+from tests.conftest import postgres_url
 
 
 @pytest.fixture

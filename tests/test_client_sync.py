@@ -12,7 +12,6 @@ from typing import Any
 import httpx
 import pytest
 
-from client_fakes import BASE_URL, FakeTime, ManualThread, bridge
 from leasekeeper import (
     FakeClock,
     FingerprintConflict,
@@ -28,6 +27,7 @@ from leasekeeper import (
     ServiceUnreachable,
 )
 from leasekeeper.client import Completed, HeldLease, Lease, Released, RenewalWorker
+from tests.client_fakes import BASE_URL, FakeTime, ManualThread, bridge
 
 KEY = "invoice:2026-09-05"
 
