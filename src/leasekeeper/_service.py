@@ -68,7 +68,9 @@ class Reply:
         body = dict(self.body)
         result = body.get("result")
         if isinstance(result, orjson.Fragment):
-            body["result"] = json.loads(result.contents)
+            # A Fragment's text cannot be read back, only written out. json (not
+            # orjson) parses it, so integers beyond 64 bits survive as stored.
+            body["result"] = json.loads(orjson.dumps(result))
         return body
 
 
