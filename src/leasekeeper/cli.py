@@ -1,4 +1,4 @@
-"""The ``leasekeeper`` command: ``serve`` and ``cleanup``."""
+"""The ``leasekeeper`` command: ``serve``, ``mcp`` and ``cleanup``."""
 
 from __future__ import annotations
 
@@ -67,7 +67,20 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
 
     settings = _settings(host=host, port=port, store=store)
     configure_logging(settings.log_level)
-    app = create_app(_service(settings), settings)
+    service = _service(settings)
+    try:
+        from leasekeeper.mcp import quiet_sdk_logs, streamable_http_mount
+    except ModuleNotFoundError as exc:
+        if _ours(exc):
+            raise
+        log.warning("MCP at /mcp is off: install the mcp extra (pip install 'leasekeeper[mcp]')")
+        app = create_app(service, settings)
+    else:
+        quiet_sdk_logs()
+        mcp = streamable_http_mount(service, settings)
+        app = create_app(
+            service, settings, extra_routes=mcp.routes, lifespan_hooks=mcp.lifespan_hooks
+        )
     _json_connection_limit_responses()
     log.info(
         "leasekeeper listening on http://%s:%d (store scheme %s)",
@@ -88,6 +101,11 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
         server_header=False,
     )
     del json_unavailable_app
+
+
+def _ours(exc: ModuleNotFoundError) -> bool:
+    """Whether a missing module is part of leasekeeper (a bug) rather than the mcp extra."""
+    return (exc.name or "").startswith("leasekeeper")
 
 
 def _has(module: str) -> bool:
@@ -111,6 +129,43 @@ def _json_connection_limit_responses() -> None:
         except ImportError:
             continue
         module.service_unavailable = responder  # type: ignore[attr-defined]
+
+
+@main.command("mcp")
+@click.option(
+    "--store",
+    default=None,
+    help="Store URL [LEASEKEEPER_STORE, sqlite:///./leasekeeper.db].",
+)
+def mcp_command(store: str | None) -> None:
+    """Serve the MCP tools over stdio, for desktop agents.
+
+    stdout carries the protocol; logs go to stderr and never contain tool
+    arguments or results.
+    """
+    try:
+        from leasekeeper.mcp import quiet_sdk_logs, serve_stdio
+    except ModuleNotFoundError as exc:
+        if _ours(exc):
+            raise
+        raise click.UsageError(
+            "leasekeeper mcp needs the mcp extra: pip install 'leasekeeper[mcp]'"
+        ) from None
+
+    settings = _settings(store=store)
+    configure_logging(settings.log_level)
+    quiet_sdk_logs()
+    service = _service(settings)
+    log.info("leasekeeper MCP on stdio (store scheme %s)", settings.store.partition(":")[0])
+    try:
+        asyncio.run(
+            serve_stdio(service, cleanup_interval_seconds=settings.cleanup_interval_seconds)
+        )
+    except KeyboardInterrupt:
+        pass
+    except Exception:
+        log.exception("MCP stdio server failed")
+        sys.exit(1)
 
 
 @main.command()
