@@ -64,23 +64,14 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
     import uvicorn
 
     from leasekeeper.http import create_app, json_unavailable_app
+    from leasekeeper.mcp import quiet_sdk_logs, streamable_http_mount
 
     settings = _settings(host=host, port=port, store=store)
     configure_logging(settings.log_level)
     service = _service(settings)
-    try:
-        from leasekeeper.mcp import quiet_sdk_logs, streamable_http_mount
-    except ModuleNotFoundError as exc:
-        if _ours(exc):
-            raise
-        log.warning("MCP at /mcp is off: install the mcp extra (pip install 'leasekeeper[mcp]')")
-        app = create_app(service, settings)
-    else:
-        quiet_sdk_logs()
-        mcp = streamable_http_mount(service, settings)
-        app = create_app(
-            service, settings, extra_routes=mcp.routes, lifespan_hooks=mcp.lifespan_hooks
-        )
+    quiet_sdk_logs()
+    mcp = streamable_http_mount(service, settings)
+    app = create_app(service, settings, extra_routes=mcp.routes, lifespan_hooks=mcp.lifespan_hooks)
     _json_connection_limit_responses()
     log.info(
         "leasekeeper listening on http://%s:%d (store scheme %s)",
@@ -101,11 +92,6 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
         server_header=False,
     )
     del json_unavailable_app
-
-
-def _ours(exc: ModuleNotFoundError) -> bool:
-    """Whether a missing module is part of leasekeeper (a bug) rather than the mcp extra."""
-    return (exc.name or "").startswith("leasekeeper")
 
 
 def _has(module: str) -> bool:
@@ -143,14 +129,7 @@ def mcp_command(store: str | None) -> None:
     stdout carries the protocol; logs go to stderr and never contain tool
     arguments or results.
     """
-    try:
-        from leasekeeper.mcp import quiet_sdk_logs, serve_stdio
-    except ModuleNotFoundError as exc:
-        if _ours(exc):
-            raise
-        raise click.UsageError(
-            "leasekeeper mcp needs the mcp extra: pip install 'leasekeeper[mcp]'"
-        ) from None
+    from leasekeeper.mcp import quiet_sdk_logs, serve_stdio
 
     settings = _settings(store=store)
     configure_logging(settings.log_level)

@@ -1,6 +1,6 @@
 """The MCP adapter: the five lease tools for AI agents, over streamable HTTP and stdio.
 
-Needs the ``mcp`` extra (``pip install 'leasekeeper[mcp]'``).
+Built on the official ``mcp`` SDK (2.x), a dependency of leasekeeper.
 ``create_mcp_server(service)`` builds the server; ``streamable_http_mount``
 gives the routes and lifespan hooks that ``leasekeeper.http.create_app`` mounts
 at ``/mcp``; ``serve_stdio`` serves it over stdin/stdout (``leasekeeper mcp``).
