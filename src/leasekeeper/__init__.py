@@ -20,17 +20,22 @@ from leasekeeper._errors import (
     RequestError,
     ServerError,
     ServiceUnavailable,
+    ServiceUnreachable,
+    StaleFence,
 )
 from leasekeeper._service import LeaseService, Reply
 from leasekeeper._settings import Settings, SettingsError
+from leasekeeper.client import AsyncLeaseClient, LeaseClient
 from leasekeeper.store import Store, open_store
 
 __all__ = [
+    "AsyncLeaseClient",
     "Clock",
     "FakeClock",
     "FingerprintConflict",
     "InternalError",
     "InvalidRequest",
+    "LeaseClient",
     "LeaseConflict",
     "LeaseError",
     "LeaseHeld",
@@ -44,8 +49,10 @@ __all__ = [
     "RequestError",
     "ServerError",
     "ServiceUnavailable",
+    "ServiceUnreachable",
     "Settings",
     "SettingsError",
+    "StaleFence",
     "Store",
     "SystemClock",
     "open_store",

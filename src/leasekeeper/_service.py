@@ -58,6 +58,8 @@ class Reply:
 
     body: dict[str, Any]
     created: bool = False
+    #: The stored result's JSON text when the body carries one (embedded as a Fragment).
+    result_text: str | None = None
 
     def json_bytes(self) -> bytes:
         """The body as UTF-8 JSON; a stored result is embedded exactly as stored."""
@@ -65,11 +67,9 @@ class Reply:
 
     def plain(self) -> dict[str, Any]:
         """The body with the stored result parsed into Python values (for MCP)."""
-        body = dict(self.body)
-        result = body.get("result")
-        if isinstance(result, orjson.Fragment):
-            body["result"] = json.loads(result.contents)
-        return body
+        if self.result_text is None:
+            return dict(self.body)
+        return {**self.body, "result": json.loads(self.result_text)}
 
 
 class LeaseService:
@@ -139,7 +139,7 @@ class LeaseService:
                 created=True,
             )
         if isinstance(outcome, CompletedOutcome):
-            return Reply(_completed_body(outcome.record))
+            return _completed_reply(outcome.record)
         if isinstance(outcome, Held):
             record = outcome.record
             raise LeaseHeld(
@@ -182,7 +182,7 @@ class LeaseService:
         outcome = await self._owner_step(command)
         if not isinstance(outcome, CompletedOutcome):
             raise _unexpected(outcome)
-        return Reply(_completed_body(outcome.record))
+        return _completed_reply(outcome.record)
 
     async def cleanup(self) -> int:
         """Delete every record whose lifecycle is over, in batches; return how many."""
@@ -224,10 +224,10 @@ def _lease_times(record: LeaseRecord, now_ms: int) -> dict[str, Any]:
     }
 
 
-def _completed_body(record: LeaseRecord) -> dict[str, Any]:
+def _completed_reply(record: LeaseRecord) -> Reply:
     if record.completed_ms is None or record.result is None:  # pragma: no cover - by the rules
         raise InternalError()
-    return {
+    body = {
         "ok": True,
         "status": "completed",
         "completed_at": times.iso(record.completed_ms),
@@ -235,6 +235,7 @@ def _completed_body(record: LeaseRecord) -> dict[str, Any]:
         "fencing_token": record.fencing_token,
         "absolute_expires_at": times.iso(record.absolute_expires_ms),
     }
+    return Reply(body, result_text=record.result)
 
 
 def _unexpected(outcome: object) -> InternalError:

@@ -20,13 +20,19 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from leasekeeper._core.validation import parse_json_object
-from leasekeeper._errors import LeaseError, PayloadTooLarge, RateLimited, ServiceUnavailable
+from leasekeeper._errors import (
+    InvalidRequest,
+    LeaseError,
+    PayloadTooLarge,
+    RateLimited,
+    ServiceUnavailable,
+)
 from leasekeeper._limits import RateLimiter
 from leasekeeper._metrics import Metrics
 from leasekeeper._service import LeaseService
@@ -73,11 +79,15 @@ def create_app(
             raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
         chunks = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body:
-                raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_body:
+                    raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            # Nobody is left to answer; a client going away is not a server fault.
+            raise InvalidRequest("The client disconnected before sending the whole body") from None
         return b"".join(chunks)
 
     def client_address(request: Request) -> str:

@@ -245,7 +245,11 @@ class SqliteStore:
                         stop = True
                         break
                     batch.append(item)
-                self._run_batch(conn, batch)  # type: ignore[arg-type]
+                try:
+                    self._run_batch(conn, batch)  # type: ignore[arg-type]
+                except Exception:  # never let the writer die: its waiters would hang
+                    log.exception("SQLite writer failed a batch of %d operations", len(batch))
+                    _fail_all(batch, InternalError())  # type: ignore[arg-type]
                 if stop:
                     break
         finally:
@@ -302,6 +306,12 @@ def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None
         future.set_exception(error)
     else:
         future.set_result(value)
+
+
+def _fail_all(batch: list[_Op], error: BaseException) -> None:
+    for op in batch:
+        with contextlib.suppress(RuntimeError):
+            op.loop.call_soon_threadsafe(_settle, op.future, None, error)
 
 
 def _deliver(entries: list[tuple[_Op, Any, BaseException | None]]) -> None:

@@ -1,0 +1,401 @@
+"""The pure core: rules, times, secrets and input checks, without any I/O."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets as random_secrets
+import uuid
+
+import pytest
+
+from leasekeeper import FakeClock, InvalidRequest, PayloadTooLarge
+from leasekeeper._core import rules, secrets, times, validation
+from leasekeeper._core.model import (
+    Acquire,
+    Complete,
+    CompletedOutcome,
+    Conflict,
+    Decision,
+    Granted,
+    Held,
+    LeaseState,
+    Lost,
+    LostReason,
+    Release,
+    Released,
+    Renew,
+    Renewed,
+)
+from leasekeeper.store import decide_with_fence
+
+KEY = b"k" * 32
+OWNER_A = b"a" * 32
+OWNER_B = b"b" * 32
+DAY_MS = 86_400_000
+T0 = 1_000_000_000_500
+
+
+def acquire(owner: bytes = OWNER_A, fp: bytes | None = None, ttl_ms: int = 60_000) -> Acquire:
+    return Acquire(KEY, fp, ttl_ms, owner, DAY_MS)
+
+
+class Fences:
+    """A store-wide counter for the pure tests."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def __call__(self) -> int:
+        self.value += 1
+        return self.value
+
+
+def granted(decision: Decision) -> Granted:
+    assert isinstance(decision.outcome, Granted)
+    return decision.outcome
+
+
+class TestRules:
+    def test_first_acquire_starts_a_lifecycle(self) -> None:
+        """A first acquire grants a new owner with lifecycle end now + 24 h."""
+        d = decide_with_fence(None, acquire(), T0, Fences())
+        g = granted(d)
+        assert d.write == g.record
+        assert g.record.fencing_token == 1
+        assert g.record.absolute_expires_ms == T0 + DAY_MS
+        assert g.record.lease_expires_ms == T0 + 60_000
+        assert rules.state_at(g.record, T0) is LeaseState.HELD
+
+    def test_live_lease_is_held_and_writes_nothing(self) -> None:
+        """A second acquire during a live lease is Held and changes nothing."""
+        record = granted(decide_with_fence(None, acquire(), T0, Fences())).record
+        d = rules.decide(record, acquire(OWNER_B), T0 + 1000)
+        assert isinstance(d.outcome, Held)
+        assert d.write is None
+
+    def test_fingerprint_is_checked_before_completed_and_held(self) -> None:
+        """A different fingerprint is a conflict whatever the lease state."""
+        fences = Fences()
+        record = granted(decide_with_fence(None, acquire(fp=b"f1"), T0, fences)).record
+        assert isinstance(rules.decide(record, acquire(fp=b"f2"), T0).outcome, Conflict)
+        assert isinstance(rules.decide(record, acquire(fp=None), T0).outcome, Conflict)
+        done = rules.decide(record, Complete(KEY, OWNER_A, "1"), T0).write
+        assert isinstance(rules.decide(done, acquire(fp=b"f2"), T0).outcome, Conflict)
+        assert isinstance(rules.decide(done, acquire(fp=b"f1"), T0).outcome, CompletedOutcome)
+
+    def test_absent_fingerprint_is_a_binding_too(self) -> None:
+        """A key first acquired without a fingerprint refuses one that brings a fingerprint."""
+        record = granted(decide_with_fence(None, acquire(fp=None), T0, Fences())).record
+        assert isinstance(rules.decide(record, acquire(fp=b"x"), T0).outcome, Conflict)
+
+    def test_expired_and_released_leases_go_to_a_new_owner_with_a_higher_fence(self) -> None:
+        """After expiry or release the next owner gets the next fence in the same lifecycle."""
+        fences = Fences()
+        first = granted(decide_with_fence(None, acquire(), T0, fences)).record
+        second = granted(decide_with_fence(first, acquire(OWNER_B), T0 + 60_000, fences)).record
+        assert second.fencing_token == 2
+        assert second.absolute_expires_ms == first.absolute_expires_ms
+        released = rules.decide(second, Release(KEY, OWNER_B), T0 + 61_000).write
+        assert released is not None
+        third = granted(decide_with_fence(released, acquire(), T0 + 61_000, fences)).record
+        assert third.fencing_token == 3
+
+    def test_lease_expiry_is_capped_by_the_lifecycle(self) -> None:
+        """Near the lifecycle end a grant and a renew get only the time that is left."""
+        fences = Fences()
+        record = granted(decide_with_fence(None, acquire(), T0, fences)).record
+        near_end = record.absolute_expires_ms - 10_000
+        released = rules.decide(record, Release(KEY, OWNER_A), T0).write
+        again = granted(decide_with_fence(released, acquire(), near_end, fences)).record
+        assert again.lease_expires_ms == record.absolute_expires_ms
+        renewed = rules.decide(again, Renew(KEY, OWNER_A, 60_000), near_end + 5_000)
+        assert isinstance(renewed.outcome, Renewed)
+        assert renewed.outcome.record.lease_expires_ms == record.absolute_expires_ms
+        assert renewed.outcome.record.absolute_expires_ms == record.absolute_expires_ms
+
+    @pytest.mark.parametrize(
+        ("setup", "reason"),
+        [
+            ("none", LostReason.NO_LEASE),
+            ("wrong_owner", LostReason.NOT_OWNER),
+            ("expired", LostReason.EXPIRED),
+            ("released", LostReason.RELEASED),
+            ("completed", LostReason.COMPLETED),
+            ("lifecycle_over", LostReason.NO_LEASE),
+        ],
+    )
+    def test_only_the_live_owner_may_mutate(self, setup: str, reason: LostReason) -> None:
+        """Renew, release and complete by anyone but the live owner are Lost, by state."""
+        record = granted(decide_with_fence(None, acquire(), T0, Fences())).record
+        now, owner = T0 + 1000, OWNER_A
+        if setup == "none":
+            record = None
+        elif setup == "wrong_owner":
+            owner = OWNER_B
+        elif setup == "expired":
+            now = T0 + 60_000
+        elif setup == "released":
+            record = rules.decide(record, Release(KEY, OWNER_A), T0).write
+        elif setup == "completed":
+            record = rules.decide(record, Complete(KEY, OWNER_A, "1"), T0).write
+        else:
+            now = T0 + DAY_MS
+        for command in (Renew(KEY, owner, 1000), Release(KEY, owner), Complete(KEY, owner, "1")):
+            outcome = rules.decide(record, command, now).outcome
+            assert outcome == Lost(reason)
+
+    def test_release_and_complete_remove_the_owner(self) -> None:
+        """Release and complete store no owner digest any more."""
+        record = granted(decide_with_fence(None, acquire(), T0, Fences())).record
+        released = rules.decide(record, Release(KEY, OWNER_A), T0 + 5)
+        assert isinstance(released.outcome, Released)
+        assert released.write is not None and released.write.owner is None
+        done = rules.decide(record, Complete(KEY, OWNER_A, '{"a":1}'), T0 + 5)
+        assert isinstance(done.outcome, CompletedOutcome)
+        assert done.write is not None and done.write.owner is None
+        assert done.write.result == '{"a":1}' and done.write.completed_ms == T0 + 5
+
+    def test_a_clock_stepping_back_never_revives_an_expired_lease(self) -> None:
+        """Once a decision saw the lease expired, an earlier clock cannot renew it."""
+        record = granted(decide_with_fence(None, acquire(), T0, Fences())).record
+        seen = rules.decide(record, Renew(KEY, OWNER_A, 1000), T0 + 61_000)
+        assert seen.outcome == Lost(LostReason.EXPIRED)
+        assert seen.write is not None  # the observation is persisted
+        later = rules.decide(seen.write, Renew(KEY, OWNER_A, 1000), T0 + 30_000)
+        assert later.outcome == Lost(LostReason.EXPIRED)
+
+    def test_decisions_never_run_before_the_last_one(self) -> None:
+        """effective_now is the later of the clock and the record's last decision."""
+        record = granted(decide_with_fence(None, acquire(), T0, Fences())).record
+        assert rules.effective_now(record, T0 - 5000) == T0
+        assert rules.effective_now(record, T0 + 5) == T0 + 5
+        assert rules.effective_now(None, 7) == 7
+
+    def test_lifecycle_over_is_as_if_never_seen(self) -> None:
+        """At the lifecycle end an acquire starts a new lifecycle with a new binding."""
+        fences = Fences()
+        record = granted(decide_with_fence(None, acquire(fp=b"f1"), T0, fences)).record
+        done = rules.decide(record, Complete(KEY, OWNER_A, "1"), T0).write
+        fresh = granted(decide_with_fence(done, acquire(fp=b"f2"), T0 + DAY_MS, fences)).record
+        assert fresh.fencing_token == 2
+        assert fresh.absolute_expires_ms == T0 + 2 * DAY_MS
+        assert fresh.result is None and fresh.fingerprint == b"f2"
+
+    def test_with_fence_refuses_decisions_without_a_new_owner(self) -> None:
+        """Only a grant takes a fencing token."""
+        with pytest.raises(ValueError, match="new owner"):
+            Decision(Lost(LostReason.NO_LEASE)).with_fence(5)
+
+    def test_fence_counter_overflow_is_refused(self) -> None:
+        """A counter past 2**63 - 1 is an error, never a wrapped token."""
+        with pytest.raises(OverflowError):
+            decide_with_fence(None, acquire(), T0, lambda: 2**63)
+
+
+class TestTimes:
+    def test_expiries_round_down_and_waits_round_up(self) -> None:
+        """Reported expiry <= real expiry; reported wait >= real wait and >= 1."""
+        assert times.floor_seconds(1_999) == 1
+        assert times.iso(1_788_602_460_999) == "2026-09-05T10:01:00Z"
+        assert times.retry_after_seconds(10_001, 0) == 11
+        assert times.retry_after_seconds(10_000, 0) == 10
+        assert times.retry_after_seconds(10, 0) == 1
+        assert times.ttl_seconds(60_999, 1_000) == 59
+        assert times.ttl_seconds(61_000, 1_000) == 60
+
+
+class TestKeys:
+    def test_random_keys_pass_the_entropy_rule(self) -> None:
+        """uuid4, token_urlsafe(32) and token_hex(32) keys are accepted."""
+        for _ in range(2000):
+            validation.check_bare_key(str(uuid.uuid4()))
+            validation.check_bare_key(random_secrets.token_urlsafe(32))
+            validation.check_bare_key(random_secrets.token_hex(32))
+
+    @pytest.mark.parametrize(
+        "key",
+        ["a" * 40, "order-0000000000000000000000000001", "ab" * 49, "0" * 39 + "1"],
+    )
+    def test_low_entropy_keys_are_refused_with_advice(self, key: str) -> None:
+        """A visibly non-random key is refused, and the message says how to make a good one."""
+        with pytest.raises(InvalidRequest) as caught:
+            validation.check_bare_key(key)
+        assert "entropy" in caught.value.error
+        assert "uuid" in caught.value.error and "namespace" in caught.value.error
+        assert key not in caught.value.error
+
+    @pytest.mark.parametrize(
+        "key",
+        [
+            random_secrets.token_hex(15) + "a",  # 31 characters
+            random_secrets.token_urlsafe(160)[:201],  # 201 characters
+            str(uuid.uuid4()) + " x",  # whitespace
+            str(uuid.uuid4()) + "é",  # not ASCII
+        ],
+    )
+    def test_bare_keys_must_be_32_to_200_printable_ascii(self, key: str) -> None:
+        """Length, ASCII and whitespace rules for keys without a namespace."""
+        with pytest.raises(InvalidRequest, match="32 to 200 printable ASCII"):
+            validation.check_bare_key(key)
+
+    def test_entropy_is_length_times_per_character_entropy(self) -> None:
+        """The measure is len(key) times the Shannon entropy of its own frequencies."""
+        assert validation.key_entropy_bits("abcd") == pytest.approx(8.0)
+        assert validation.key_entropy_bits("aaaa") == 0.0
+
+
+class TestResults:
+    def test_secret_named_fields_are_redacted_at_any_depth(self) -> None:
+        """Fields named like secrets become [redacted] in objects at any depth, arrays too."""
+        result = {
+            "receipt_id": 4817,
+            "Authorization": "Bearer x",
+            "nested": {"db_password": {"deep": 1}, "PASSWD": None, "note": "token inside"},
+            "list": [{"API-Key": 1}, {"private.key": [1]}, {"Set-Cookie": "c"}, "plain"],
+            "Client Secret": True,
+            "refreshToken": "r",
+            "tokens_used": 5,
+            "keep": {"ok": [1, 2, {"x": "y"}]},
+        }
+        stored = json.loads(validation.encode_result(result))
+        assert stored == {
+            "receipt_id": 4817,
+            "Authorization": "[redacted]",
+            "nested": {"db_password": "[redacted]", "PASSWD": "[redacted]", "note": "token inside"},
+            "list": [
+                {"API-Key": "[redacted]"},
+                {"private.key": "[redacted]"},
+                {"Set-Cookie": "[redacted]"},
+                "plain",
+            ],
+            "Client Secret": "[redacted]",
+            "refreshToken": "[redacted]",
+            "tokens_used": "[redacted]",
+            "keep": {"ok": [1, 2, {"x": "y"}]},
+        }
+
+    def test_size_limit_is_on_the_compact_submitted_encoding(self) -> None:
+        """32,768 bytes of compact UTF-8 JSON pass; one byte more is too large."""
+        fits = "x" * (32_768 - 2)
+        assert validation.encode_result(fits) == json.dumps(fits)
+        with pytest.raises(PayloadTooLarge):
+            validation.encode_result(fits + "x")
+        multibyte = "é" * ((32_768 - 2) // 2 + 1)  # 2 bytes each in UTF-8
+        with pytest.raises(PayloadTooLarge):
+            validation.encode_result(multibyte)
+
+    def test_results_keep_order_and_big_integers(self) -> None:
+        """Key order, big integers and NUL characters survive encoding."""
+        text = validation.encode_result({"b": 2**70, "a": "\u0000", "c": [1.5, None]})
+        assert text == '{"b":1180591620717411303424,"a":"\\u0000","c":[1.5,null]}'
+
+
+class TestStrictJson:
+    @pytest.mark.parametrize(
+        ("body", "message"),
+        [
+            (b'{"a": NaN}', "NaN"),
+            (b'{"a": Infinity}', "Infinity"),
+            (b'{"a": -Infinity}', "Infinity"),
+            (b'{"a": 1e400}', "too large"),
+            (b'{"a": 1, "a": 2}', "duplicate"),
+            (b'{"a": "\\ud800"}', "surrogate"),
+            (b'{"\\udfff": 1}', "surrogate"),
+            (b"[1]", "JSON object"),
+            (b'"x"', "JSON object"),
+            (b"\xff\xfe", "UTF-8"),
+            (b'{"a": ', "not valid JSON"),
+            (b"[" * 100_000, "deeper"),
+        ],
+    )
+    def test_bad_json_is_invalid(self, body: bytes, message: str) -> None:
+        """Each non-strict JSON body is refused with a reason."""
+        with pytest.raises(InvalidRequest, match=message):
+            validation.parse_json_object(body)
+
+    def test_nesting_limit_is_64_levels(self) -> None:
+        """64 levels of nesting pass; 65 do not."""
+        ok = b'{"a":' + b"[" * 63 + b"]" * 63 + b"}"
+        assert validation.parse_json_object(ok)
+        too_deep = b'{"a":' + b"[" * 64 + b"]" * 64 + b"}"
+        with pytest.raises(InvalidRequest, match="deeper than 64"):
+            validation.parse_json_object(too_deep)
+
+    def test_a_byte_order_mark_is_tolerated(self) -> None:
+        """A UTF-8 BOM before the object is ignored."""
+        assert validation.parse_json_object("\ufeff{}".encode()) == {}
+
+
+class TestSecrets:
+    def test_namespace_format(self) -> None:
+        """ns_ + 43 base64url characters that decode to the 32 random bytes."""
+        raw = bytes(range(32))
+        ns = secrets.format_namespace(raw)
+        assert len(ns) == 46 and ns.startswith("ns_")
+        assert secrets.parse_namespace(ns) == raw
+
+    @pytest.mark.parametrize(
+        "bad",
+        [
+            "ns_" + "A" * 42,
+            "ns_" + "A" * 44,
+            "NS_" + "A" * 43,
+            "ns_" + "A" * 42 + "B",  # not a canonical encoding of 32 bytes
+            "ns_" + "A" * 42 + "=",
+            "ns_" + "A" * 41 + "+A",
+            "",
+        ],
+    )
+    def test_malformed_namespaces_are_refused(self, bad: str) -> None:
+        """Anything but a canonical ns_ + 43 base64url string is not a namespace."""
+        assert secrets.parse_namespace(bad) is None
+
+    def test_key_ids_are_unrelated_across_namespaces_and_bare_keys(self) -> None:
+        """The same key in two namespaces, or bare, has three different ids."""
+        a, b = b"\x01" * 32, b"\x02" * 32
+        ids = {secrets.key_id(a, "k"), secrets.key_id(b, "k"), secrets.key_id(None, "k")}
+        assert len(ids) == 3
+        assert secrets.key_id(a, "k") == secrets.key_id(a, "k")
+
+    def test_fingerprint_digests_are_keyed_and_bound_to_the_key(self) -> None:
+        """The same fingerprint digests differently per namespace and per key."""
+        ns = b"\x01" * 32
+        kid = secrets.key_id(ns, "k")
+        one = secrets.fingerprint_digest(ns, "k", kid, "fp")
+        assert one != secrets.fingerprint_digest(b"\x02" * 32, "k", kid, "fp")
+        assert one != secrets.fingerprint_digest(ns, "k2", secrets.key_id(ns, "k2"), "fp")
+        bare = secrets.key_id(None, "k")
+        assert secrets.fingerprint_digest(None, "k", bare, "fp") != secrets.fingerprint_digest(
+            None, "k2", bare, "fp"
+        )
+
+    def test_owner_tokens(self) -> None:
+        """Owner tokens are own_ + 43 base64url characters; digests compare equal only to self."""
+        token = secrets.format_owner_token(b"\x07" * 32)
+        assert secrets.valid_owner_token(token)
+        assert not secrets.valid_owner_token(token[:-1])
+        assert secrets.digests_equal(secrets.owner_digest(token), secrets.owner_digest(token))
+        other = secrets.format_owner_token(b"\x08" * 32)
+        assert not secrets.digests_equal(secrets.owner_digest(token), secrets.owner_digest(other))
+
+
+class TestFakeClock:
+    def test_it_moves_only_forward_when_told(self) -> None:
+        """advance moves forward; set refuses the past; jump_back is explicit."""
+        clock = FakeClock(1000)
+        assert clock.now_ms() == 1000
+        assert clock.advance(1.5) == 2500
+        with pytest.raises(ValueError, match="non-negative"):
+            clock.advance(-1)
+        with pytest.raises(ValueError, match="backwards"):
+            clock.set(10)
+        clock.jump_back(2)
+        assert clock.now_ms() == 500
+
+
+def test_records_are_immutable() -> None:
+    """Records are frozen: a decision cannot mutate what a store holds."""
+    record = granted(decide_with_fence(None, acquire(), T0, Fences())).record
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        record.owner = None  # type: ignore[misc]

@@ -1,0 +1,323 @@
+"""A real server process: durability across kill -9, secrets at rest, concurrency, cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import concurrent.futures
+import contextlib
+import json
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from leasekeeper import FakeClock, LeaseError, LeaseService, Settings
+from leasekeeper._core import secrets as lk_secrets
+from leasekeeper.http import create_app
+from leasekeeper.store import SqliteStore
+from tests._server import running_server, start_server
+
+pytestmark = pytest.mark.slow
+
+
+def post(base: str, route: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{base}/services/v1{route}", json=body, timeout=10)
+
+
+def test_acknowledged_writes_survive_kill_9(tmp_path: Path) -> None:
+    """Every acknowledged acquire, renew, release and complete is there after SIGKILL."""
+    db = tmp_path / "durable.db"
+    store = f"sqlite:///{db}"
+    server = start_server(store, tmp_path / "log1.txt")
+    try:
+        ns = post(server.url, "/lease/namespace", {}).json()["namespace"]
+        held = post(server.url, "/lease", {"namespace": ns, "key": "held", "ttl_seconds": 3600})
+        done = post(server.url, "/lease", {"namespace": ns, "key": "done", "fingerprint": "f"})
+        rel = post(server.url, "/lease", {"namespace": ns, "key": "rel"})
+        assert held.status_code == done.status_code == rel.status_code == 201
+        token = held.json()["owner_token"]
+        renewed = post(
+            server.url,
+            "/lease/renew",
+            {"namespace": ns, "key": "held", "owner_token": token, "ttl_seconds": 7200},
+        )
+        assert renewed.status_code == 200
+        completed = post(
+            server.url,
+            "/lease/complete",
+            {
+                "namespace": ns,
+                "key": "done",
+                "owner_token": done.json()["owner_token"],
+                "result": {"receipt": 42},
+            },
+        )
+        assert completed.status_code == 200
+        released = post(
+            server.url,
+            "/lease/release",
+            {"namespace": ns, "key": "rel", "owner_token": rel.json()["owner_token"]},
+        )
+        assert released.status_code == 200
+    finally:
+        server.kill()
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    with running_server(store, tmp_path / "log2.txt") as again:
+        still_held = post(again.url, "/lease", {"namespace": ns, "key": "held"})
+        assert still_held.status_code == 409
+        assert still_held.json()["lease_expires_at"] == renewed.json()["lease_expires_at"]
+        replay = post(again.url, "/lease", {"namespace": ns, "key": "done", "fingerprint": "f"})
+        assert replay.status_code == 200 and replay.json()["result"] == {"receipt": 42}
+        retaken = post(again.url, "/lease", {"namespace": ns, "key": "rel"})
+        assert retaken.status_code == 201
+        assert retaken.json()["fencing_token"] > rel.json()["fencing_token"]
+        renew_again = post(
+            again.url, "/lease/renew", {"namespace": ns, "key": "held", "owner_token": token}
+        )
+        assert renew_again.status_code == 200
+
+
+def _encodings(secret: str | bytes) -> list[bytes]:
+    raw = secret.encode() if isinstance(secret, str) else secret
+    forms = [
+        raw,
+        binascii.hexlify(raw),
+        binascii.hexlify(raw).upper(),
+        base64.b64encode(raw),
+        base64.b64encode(raw).rstrip(b"="),
+        base64.urlsafe_b64encode(raw).rstrip(b"="),
+    ]
+    return [form for form in forms if len(form) >= 8]
+
+
+def test_no_secret_reaches_disk_or_logs(tmp_path: Path) -> None:
+    """Known secrets written through the API appear in no store file and no log line."""
+    db = tmp_path / "secrets.db"
+    log = tmp_path / "server.log"
+    with running_server(f"sqlite:///{db}", log, {"LEASEKEEPER_LOG_LEVEL": "DEBUG"}) as server:
+        ns = post(server.url, "/lease/namespace", {}).json()["namespace"]
+        key = "canary-key-7Qw9zX"
+        fingerprint = "canary-fp-K2m8vB"
+        bare_key = "canary-bare-" + "Zq8Wn3Lp5Rt7Yv2Xk4Mj6Hg9Fd1Sa0Qe"
+        secret_values = ["canary-password-P4s5", "canary-token-T0k3n", "canary-cookie-C00k"]
+        tokens = []
+        for k, ns_value in ((key, ns), (bare_key, None)):
+            body: dict[str, Any] = {"key": k, "fingerprint": fingerprint}
+            if ns_value:
+                body["namespace"] = ns_value
+            lease = post(server.url, "/lease", body)
+            assert lease.status_code == 201, lease.text
+            token = lease.json()["owner_token"]
+            tokens.append(token)
+            owner = {**body, "owner_token": token}
+            owner.pop("fingerprint")
+            assert post(server.url, "/lease/renew", owner).status_code == 200
+            result = {
+                "password": secret_values[0],
+                "nested": [{"access_token": secret_values[1]}, {"Cookie": secret_values[2]}],
+            }
+            assert (
+                post(server.url, "/lease/complete", {**owner, "result": result}).status_code == 200
+            )
+            post(server.url, "/lease/renew", owner)  # lost: the token is gone
+        # Bad input carrying secrets must not leak through error logging either.
+        post(server.url, "/lease", {"namespace": ns, "key": key, "ttl_seconds": "x"})
+        post(server.url, "/lease", {"namespace": ns, "key": key, "fingerprint": "other"})
+        files = [p for p in tmp_path.iterdir() if p.name.startswith("secrets.db")]
+        assert any(p.name.endswith("-wal") for p in files)
+        snapshots = {p.name: p.read_bytes() for p in files}
+    for p in tmp_path.iterdir():
+        if p.name.startswith("secrets.db"):
+            snapshots[p.name + "@stopped"] = p.read_bytes()
+    snapshots["server.log"] = log.read_bytes()
+    assert b"leasekeeper listening" in snapshots["server.log"]
+
+    ns_raw = lk_secrets.parse_namespace(ns)
+    assert ns_raw is not None
+    secrets_to_find: list[str | bytes] = [ns, ns_raw, key, bare_key, fingerprint]
+    secrets_to_find += tokens + secret_values
+    secrets_to_find += [base64.urlsafe_b64decode(t[4:] + "=") for t in tokens]
+    hits = [
+        (name, secret)
+        for name, blob in snapshots.items()
+        for secret in secrets_to_find
+        for form in _encodings(secret)
+        if form in blob
+    ]
+    assert hits == []
+
+
+def test_64_concurrent_acquires_on_one_key_grant_exactly_one(tmp_path: Path) -> None:
+    """64 simultaneous acquires of one key over real connections: one 201, 63 409."""
+    with running_server(f"sqlite:///{tmp_path / 'c.db'}", tmp_path / "log.txt") as server:
+        ns = post(server.url, "/lease/namespace", {}).json()["namespace"]
+        for round_ in range(3):
+            body = {"namespace": ns, "key": f"hot-{round_}", "ttl_seconds": 60}
+
+            def attempt(_: int, body: dict[str, Any] = body) -> int:
+                return post(server.url, "/lease", body).status_code
+
+            with concurrent.futures.ThreadPoolExecutor(64) as pool:
+                codes = list(pool.map(attempt, range(64)))
+            assert sorted(codes).count(201) == 1
+            assert codes.count(409) == 63
+
+
+def test_64_concurrent_acquires_in_process(tmp_path: Path) -> None:
+    """The same through the ASGI app on one event loop, with many keys at once."""
+
+    async def main() -> list[int]:
+        service = LeaseService(SqliteStore(tmp_path / "p.db", FakeClock()))
+        app = create_app(service, Settings(), run_cleanup=False)
+        await service.start()
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                ns = (await client.post("/services/v1/lease/namespace")).json()["namespace"]
+                requests = [
+                    client.post("/services/v1/lease", json={"namespace": ns, "key": f"k{i % 4}"})
+                    for i in range(256)
+                ]
+                return [r.status_code for r in await asyncio.gather(*requests)]
+        finally:
+            await service.stop()
+
+    codes = asyncio.run(main())
+    assert codes.count(201) == 4
+    assert codes.count(409) == 252
+
+
+def _expired_records(db: Path, count: int) -> None:
+    """Records whose lifecycle ended long ago, written by a store on a clock in 2020."""
+
+    async def write() -> None:
+        store = SqliteStore(db, FakeClock(1_577_836_800_000))
+        service = LeaseService(store)
+        await service.start()
+        try:
+            for i in range(count):
+                await service.handle(
+                    "acquire", {"namespace": "ns_" + "C" * 42 + "A", "key": f"{i}"}
+                )
+        finally:
+            await service.stop()
+
+    asyncio.run(write())
+
+
+def _count(db: Path) -> int:
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        return int(conn.execute("SELECT count(*) FROM leases").fetchone()[0])
+
+
+def test_cleanup_command_deletes_finished_lifecycles_once(tmp_path: Path) -> None:
+    """`leasekeeper cleanup` deletes every record whose lifecycle is over and says how many."""
+    db = tmp_path / "old.db"
+    _expired_records(db, 2500)
+    fence_before = SqliteStore(db).fencing_counter()
+    out = subprocess.run(
+        [sys.executable, "-m", "leasekeeper.cli", "cleanup", "--store", f"sqlite:///{db}"],
+        capture_output=True,
+        check=True,
+        timeout=60,
+    )
+    assert json.loads(out.stdout) == {"ok": True, "deleted": 2500}
+    assert _count(db) == 0
+    assert SqliteStore(db).fencing_counter() == fence_before
+
+
+def test_server_cleans_up_on_its_interval(tmp_path: Path) -> None:
+    """The server's cleanup task runs every LEASEKEEPER_CLEANUP_INTERVAL_SECONDS."""
+    db = tmp_path / "interval.db"
+    _expired_records(db, 30)
+    env = {"LEASEKEEPER_CLEANUP_INTERVAL_SECONDS": "0.2"}
+    with running_server(f"sqlite:///{db}", tmp_path / "log.txt", env) as server:
+        deadline = 100
+        while _count(db) and deadline:
+            deadline -= 1
+            httpx.get(server.url + "/healthz")
+
+            time.sleep(0.05)
+        assert _count(db) == 0
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'leasekeeper_cleanup_runs_total{result="ok"}' in metrics
+
+
+def test_requests_over_the_in_flight_cap_get_json_503(tmp_path: Path) -> None:
+    """Past LEASEKEEPER_MAX_CONNECTIONS requests in flight, the rest get 503 unavailable."""
+
+    async def main() -> list[httpx.Response]:
+        service = LeaseService(SqliteStore(tmp_path / "cap.db", FakeClock()))
+        app = create_app(service, Settings(max_connections=1), run_cleanup=False)
+        await service.start()
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                body = {"namespace": "ns_" + "D" * 42 + "A", "key": "k"}
+                calls = [client.post("/services/v1/lease", json=body) for _ in range(20)]
+                return list(await asyncio.gather(*calls))
+        finally:
+            await service.stop()
+
+    responses = asyncio.run(main())
+    refused = [r for r in responses if r.status_code == 503]
+    assert refused, "some requests must find the cap reached"
+    assert [r.status_code for r in responses].count(201) == 1
+    for response in refused:
+        assert response.json()["status"] == "unavailable"
+        assert response.headers["retry-after"] == "1"
+        assert response.headers["cache-control"] == "no-store"
+
+
+def test_connections_over_the_cap_get_json_503(tmp_path: Path) -> None:
+    """uvicorn's own connection-limit answer is JSON too (its plain-text default is replaced)."""
+    import socket
+
+    env = {"LEASEKEEPER_MAX_CONNECTIONS": "2"}
+    with running_server(f"sqlite:///{tmp_path / 'conn.db'}", tmp_path / "log", env) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        try:
+            time.sleep(0.2)  # let the server accept the idle connections
+            response = httpx.get(server.url + "/healthz", timeout=5)
+        finally:
+            for sock in idle:
+                sock.close()
+        assert response.status_code == 503
+        assert response.json()["status"] == "unavailable"
+
+
+def test_sqlite_writer_survives_a_failing_batch(tmp_path: Path) -> None:
+    """A fault outside any single operation fails that batch only; the writer keeps serving."""
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "w.db", FakeClock())
+        service = LeaseService(store)
+        await service.start()
+        original = store._run_batch
+        calls = 0
+
+        def flaky(conn: Any, batch: Any) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("simulated fault")
+            original(conn, batch)
+
+        store._run_batch = flaky  # type: ignore[method-assign]
+        body = {"namespace": "ns_" + "E" * 42 + "A", "key": "k"}
+        with pytest.raises(LeaseError) as first:
+            await service.handle("acquire", body)
+        assert first.value.status == "internal"
+        assert (await service.handle("acquire", body)).created
+        await service.stop()
+
+    asyncio.run(main())

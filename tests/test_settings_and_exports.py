@@ -1,0 +1,98 @@
+"""Settings from the environment, the store URL scheme, and the curated public API."""
+
+from __future__ import annotations
+
+import pytest
+
+import leasekeeper
+from leasekeeper import Settings, SettingsError
+from leasekeeper.store import MemoryStore, SqliteStore, StoreURLError, open_store
+
+
+def test_defaults_follow_the_spec() -> None:
+    """Without variables: SQLite in ./leasekeeper.db, 24 h lifecycle, hourly cleanup, limits."""
+    settings = Settings.from_env({})
+    assert settings.store == "sqlite:///./leasekeeper.db"
+    assert (settings.host, settings.port) == ("127.0.0.1", 8787)
+    assert settings.lifecycle_seconds == 86_400
+    assert settings.cleanup_interval_seconds == 3600
+    assert settings.max_body_bytes == 65_536
+    assert settings.max_connections == 1000
+    assert (settings.namespace_rate, settings.namespace_burst) == (10, 100)
+    assert settings.address_rate == 0 and settings.namespace_request_rate == 0
+
+
+def test_variables_are_read_and_flags_win() -> None:
+    """LEASEKEEPER_* variables set values; explicit overrides (CLI flags) win over them."""
+    env = {
+        "LEASEKEEPER_STORE": "memory://",
+        "LEASEKEEPER_PORT": "9000",
+        "LEASEKEEPER_LIFECYCLE_SECONDS": "120",
+        "LEASEKEEPER_CLEANUP_INTERVAL_SECONDS": "0.5",
+        "LEASEKEEPER_ADDRESS_RATE": "50",
+    }
+    settings = Settings.from_env(env, port=9100, host=None)
+    assert settings.store == "memory://"
+    assert settings.port == 9100
+    assert settings.lifecycle_seconds == 120
+    assert settings.cleanup_interval_seconds == 0.5
+    assert settings.address_rate == 50.0
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("LEASEKEEPER_PORT", "eighty"),
+        ("LEASEKEEPER_PORT", "70000"),
+        ("LEASEKEEPER_LIFECYCLE_SECONDS", "1.5"),
+        ("LEASEKEEPER_LIFECYCLE_SECONDS", "0"),
+        ("LEASEKEEPER_NAMESPACE_RATE", "-1"),
+        ("LEASEKEEPER_LOG_LEVEL", "LOUD"),
+    ],
+)
+def test_bad_values_name_the_variable(name: str, value: str) -> None:
+    """A value leasekeeper cannot use is refused at start, naming the variable."""
+    with pytest.raises(SettingsError, match=name):
+        Settings.from_env({name: value})
+
+
+def test_store_by_url_scheme(tmp_path: object) -> None:
+    """open_store picks the backend by scheme, in one place."""
+    assert isinstance(open_store("memory://"), MemoryStore)
+    store = open_store("sqlite:///./x.db")
+    assert isinstance(store, SqliteStore) and str(store.path) == "x.db"
+    absolute = open_store("sqlite:////var/lib/lk/abs.db")
+    assert isinstance(absolute, SqliteStore) and str(absolute.path) == "/var/lib/lk/abs.db"
+    for bad in ("redis://localhost", "sqlite://", "nonsense"):
+        with pytest.raises(StoreURLError):
+            open_store(bad)
+
+
+def test_public_api_is_curated() -> None:
+    """Everything in __all__ exists, is sorted, and nothing private is exported."""
+    assert list(leasekeeper.__all__) == sorted(leasekeeper.__all__)
+    for name in leasekeeper.__all__:
+        assert not name.startswith("_")
+        member = getattr(leasekeeper, name)
+        assert member.__module__.startswith("leasekeeper"), name
+
+
+def test_exception_tree() -> None:
+    """Every error is a LeaseError; 409s are LeaseConflicts; bodies carry ok/status/error."""
+    assert issubclass(leasekeeper.LeaseHeld, leasekeeper.LeaseConflict)
+    assert issubclass(leasekeeper.LeaseLost, leasekeeper.LeaseConflict)
+    assert issubclass(leasekeeper.FingerprintConflict, leasekeeper.LeaseConflict)
+    assert issubclass(leasekeeper.InvalidRequest, leasekeeper.RequestError)
+    assert issubclass(leasekeeper.ServiceUnavailable, leasekeeper.ServerError)
+    held = leasekeeper.LeaseHeld(
+        retry_after_seconds=3,
+        fencing_token=9,
+        lease_expires_at="2026-09-05T10:01:00Z",
+        absolute_expires_at="2026-09-06T10:00:00Z",
+    )
+    assert held.body()["status"] == "held" and held.retry_after == 3
+    assert leasekeeper.LeaseLost().body() == {
+        "ok": False,
+        "status": "lost",
+        "error": "You do not hold this lease",
+    }
