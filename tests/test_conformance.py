@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 
 import pytest
 
-from conftest import STORE_KINDS, StoreFactory
 from leasekeeper import FakeClock
 from leasekeeper._core.model import (
     Acquire,
@@ -34,6 +33,7 @@ from leasekeeper._core.model import (
 )
 from leasekeeper._core.validation import encode_result
 from leasekeeper.store import Store
+from tests.conftest import STORE_KINDS, StoreFactory
 
 T = TypeVar("T")
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from conftest import STORE_KINDS, Api, ApiFactory
 from leasekeeper import FakeClock
+from tests.conftest import STORE_KINDS, Api, ApiFactory
 
 _OWNER_TOKEN = re.compile(rb"own_[A-Za-z0-9_-]{43}")
 LIFECYCLE_SECONDS = 100

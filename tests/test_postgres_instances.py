@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import new_schema_name, postgres_url
+from tests.conftest import drop_schema, new_schema_name, postgres_url
 
 psycopg = pytest.importorskip("psycopg")
 
@@ -74,8 +74,6 @@ def pg_url() -> str:
 @pytest.fixture
 def schema(pg_url: str) -> Iterator[str]:
     """A schema of this test's own, created empty and dropped at the end."""
-    from conftest import drop_schema
-
     name = new_schema_name()
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute(f"CREATE SCHEMA {name}")

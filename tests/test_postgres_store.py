@@ -19,10 +19,10 @@ from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 import pytest
 
-from conftest import StoreFactory, new_schema_name, postgres_url
 from leasekeeper import ServiceUnavailable
 from leasekeeper._core.model import Acquire, Complete, CompletedOutcome, Granted, Renew, Renewed
 from leasekeeper.store import Store, StoreURLError, open_store
+from tests.conftest import StoreFactory, new_schema_name, postgres_url
 
 psycopg = pytest.importorskip("psycopg")
 pytestmark = pytest.mark.postgres
