@@ -371,6 +371,18 @@ def test_an_unreachable_database_fails_open_within_the_timeout() -> None:
     assert time.monotonic() - started < 2.5
 
 
+class Link:
+    """One relayed connection: both ends, and whether the server's answers still pass."""
+
+    def __init__(self, *writers: asyncio.StreamWriter) -> None:
+        self.writers = writers
+        self.muted = False
+
+    def abort(self) -> None:
+        for writer in self.writers:
+            writer.transport.abort()
+
+
 class Relay:
     """A TCP relay to PostgreSQL that a test can cut (refuse, drop) or blackhole (stall)."""
 
@@ -379,8 +391,9 @@ class Relay:
         self._flowing = asyncio.Event()
         self._flowing.set()
         self._refusing = False
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._links: set[Link] = set()
         self._server: asyncio.Server | None = None
+        self._trap: tuple[bytes, bool] | None = None
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -396,30 +409,65 @@ class Relay:
         except OSError:
             writer.transport.abort()
             return
-        self._writers |= {writer, up_writer}
-        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer))
+        link = Link(writer, up_writer)
+        self._links.add(link)
+        try:
+            await asyncio.gather(
+                self._pump(reader, up_writer, link, from_client=True),
+                self._pump(up_reader, writer, link, from_client=False),
+            )
+        finally:
+            self._links.discard(link)
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        link: Link,
+        *,
+        from_client: bool,
+    ) -> None:
         try:
             while data := await reader.read(65536):
                 await self._flowing.wait()
+                if link.muted:
+                    continue  # the answers of a trapped connection are lost
+                trap = self._trap
+                if from_client and trap is not None and trap[0] in data:
+                    self._trap = None
+                    link.muted = True
+                    if trap[1]:
+                        writer.write(data)
+                        await writer.drain()
+                        await asyncio.sleep(0.2)  # the server acts on it; nobody hears back
+                    return
                 writer.write(data)
                 await writer.drain()
         except (OSError, RuntimeError):
             pass
         finally:
-            writer.transport.abort()
-            self._writers.discard(writer)
+            link.abort()
 
     def cut(self) -> None:
         """Drop every connection and refuse new ones, as a stopped server would."""
         self._refusing = True
-        for writer in list(self._writers):
-            writer.transport.abort()
+        for link in list(self._links):
+            link.abort()
 
     def blackhole(self) -> None:
         """Stop passing bytes either way, as a broken network would."""
         self._flowing.clear()
+
+    def trap(self, marker: bytes, *, deliver: bool) -> None:
+        """Drop the connection that next sends ``marker``, once it reached the server or not.
+
+        Either way the server's answer never comes back.
+        """
+        self._trap = (marker, deliver)
+
+    @property
+    def trapped(self) -> bool:
+        return self._trap is None
 
     def restore(self) -> None:
         self._refusing = False
@@ -512,3 +560,69 @@ def test_the_store_refuses_calls_when_not_open(url: str) -> None:
     store = open_store(url)
     with pytest.raises(ServiceUnavailable):
         asyncio.run(store.apply(acquire()))
+
+
+# The extended-protocol Parse message of our COMMIT (the BEGIN's "READ COMMITTED" differs).
+COMMIT_MESSAGE = b"\x00COMMIT\x00"
+
+
+def test_a_commit_whose_answer_was_lost_is_found_and_acknowledged(
+    make_store: StoreFactory,
+    url: str,
+    target: tuple[str, int],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """When a COMMIT reaches the server but its answer is lost, the decision still stands."""
+    caplog.set_level(logging.INFO, logger="leasekeeper.store.postgres")
+
+    async def main() -> None:
+        relay = Relay(*target)
+        port = await relay.start()
+        store = make_store("postgres", url=url_with(url, port=port), timeout_seconds=3)
+        try:
+            async with opened(store):
+                key, owner = new_id(), new_id()
+                relay.trap(COMMIT_MESSAGE, deliver=True)
+                granted = await store.apply(acquire(key, owner))
+                assert relay.trapped
+                assert isinstance(granted.outcome, Granted)
+                renewed = await store.apply(Renew(key, owner, TTL))
+                assert isinstance(renewed.outcome, Renewed)
+                assert renewed.outcome.record.fencing_token == granted.outcome.record.fencing_token
+        finally:
+            await relay.stop()
+
+    asyncio.run(main())
+    assert "a cut-off COMMIT had taken effect" in caplog.text
+
+
+def test_a_commit_that_never_arrived_is_decided_again(
+    make_store: StoreFactory,
+    url: str,
+    target: tuple[str, int],
+    clock: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """When a COMMIT is lost on its way, the transaction rolls back and the store decides again."""
+    caplog.set_level(logging.INFO, logger="leasekeeper.store.postgres")
+
+    async def main() -> None:
+        relay = Relay(*target)
+        port = await relay.start()
+        store = make_store("postgres", url=url_with(url, port=port), timeout_seconds=3)
+        try:
+            async with opened(store):
+                key, owner = new_id(), new_id()
+                granted = await store.apply(acquire(key, owner))
+                assert isinstance(granted.outcome, Granted)
+                clock.advance(10)
+                relay.trap(COMMIT_MESSAGE, deliver=False)
+                renewed = await store.apply(Renew(key, owner, TTL))
+                assert relay.trapped
+                assert isinstance(renewed.outcome, Renewed)
+                assert renewed.outcome.record.lease_expires_ms == clock.now_ms() + TTL
+        finally:
+            await relay.stop()
+
+    asyncio.run(main())
+    assert "a cut-off COMMIT had not taken effect; deciding again" in caplog.text

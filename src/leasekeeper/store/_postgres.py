@@ -21,11 +21,14 @@ row lock, so there is no read-then-write race between instances.
 
 Failures: serialization failures and deadlocks are retried inside the store, as
 is a connection found dead before the COMMIT was sent (the server rolls such a
-transaction back). Everything else that goes wrong with the database (refused,
-dropped, blocked, too slow) is translated in ``_run``, the one place psycopg
-errors become ``ServiceUnavailable``, within ``timeout_seconds``; the pool
-replaces dead connections by itself, so the store recovers when the database
-is back. No message or log line carries a key id, token or query parameter.
+transaction back). When a connection dies with its COMMIT in flight, the store
+reads the key's row on another connection (waiting for its lock) to learn whether
+the decision took effect: if so it is returned, if not it is decided again.
+Everything else that goes wrong with the database (refused, dropped, blocked, too
+slow) is translated in ``_run``, the one place psycopg errors become
+``ServiceUnavailable``, within ``timeout_seconds``; the pool replaces dead
+connections by itself, so the store recovers when the database is back. No
+message or log line carries a key id, token or query parameter.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import random
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -153,11 +156,15 @@ _MAX_ATTEMPTS = 20
 
 
 @dataclass(slots=True)
-class _Attempt:
+class _Attempt(Generic[T]):
     """What one attempt got to, so a failure can tell whether retrying is safe."""
 
-    #: The COMMIT has been sent: the outcome of a failure is unknown, no retry.
+    #: The COMMIT has been sent: a failure from here on leaves the outcome unknown.
     committing: bool = False
+    #: What the attempt returns once its COMMIT is known to have taken effect.
+    result: T | None = None
+    #: The record the attempt writes, to look for after a cut-off COMMIT (None: no write).
+    written: LeaseRecord | None = None
 
 
 class _Retry(Exception):
@@ -252,13 +259,13 @@ class PostgresStore:
     # -- the interface ---------------------------------------------------------------------
 
     async def apply(self, command: Command) -> Decision:
-        async def run(conn: Connection, attempt: _Attempt) -> Decision:
+        async def run(conn: Connection, attempt: _Attempt[Decision]) -> Decision:
             return await self._decide(conn, command, attempt)
 
         return await self._run("apply", run)
 
     async def purge(self, limit: int) -> int:
-        async def run(conn: Connection, attempt: _Attempt) -> int:
+        async def run(conn: Connection, attempt: _Attempt[int]) -> int:
             # One statement in autocommit: its own transaction, safe to repeat.
             if self._clock is None:
                 cursor = await conn.execute(_PURGE_AT_DB_NOW, (limit,))
@@ -269,7 +276,7 @@ class PostgresStore:
         return await self._run("purge", run)
 
     async def ping(self) -> None:
-        async def run(conn: Connection, attempt: _Attempt) -> None:
+        async def run(conn: Connection, attempt: _Attempt[None]) -> None:
             # Touches the table, so a blocked table reads as "cannot serve".
             await conn.execute(_PING)
 
@@ -277,7 +284,9 @@ class PostgresStore:
 
     # -- one decision ----------------------------------------------------------------------
 
-    async def _decide(self, conn: Connection, command: Command, attempt: _Attempt) -> Decision:
+    async def _decide(
+        self, conn: Connection, command: Command, attempt: _Attempt[Decision]
+    ) -> Decision:
         written: psycopg.AsyncCursor[TupleRow] | None = None
         clock = self._clock
         async with conn.pipeline():
@@ -315,7 +324,7 @@ class PostgresStore:
                 )
                 written = await conn.execute(_INSERT if record is None else _UPDATE, values)
             await conn.execute("COMMIT")
-            attempt.committing = True
+            attempt.committing, attempt.result, attempt.written = True, decision, w
         # Leaving the pipeline sent the write and COMMIT and waited for both.
         if record is None and written is not None and written.rowcount != 1:
             # Another transaction created the row after our SELECT found none; our
@@ -325,7 +334,7 @@ class PostgresStore:
 
     # -- the one choke point ---------------------------------------------------------------
 
-    async def _run(self, what: str, work: Callable[[Connection, _Attempt], Awaitable[T]]) -> T:
+    async def _run(self, what: str, work: Callable[[Connection, _Attempt[T]], Awaitable[T]]) -> T:
         """Run ``work`` on a pooled connection, with retries, within the timeout.
 
         The work runs in its own task, so that the caller is answered on time
@@ -356,12 +365,12 @@ class PostgresStore:
     async def _attempts(
         self,
         pool: AsyncConnectionPool[Connection],
-        work: Callable[[Connection, _Attempt], Awaitable[T]],
+        work: Callable[[Connection, _Attempt[T]], Awaitable[T]],
         deadline: float,
     ) -> T:
         loop = asyncio.get_running_loop()
         for number in range(1, _MAX_ATTEMPTS + 1):
-            attempt = _Attempt()
+            attempt: _Attempt[T] = _Attempt()
             conn: Connection | None = None
             last = number == _MAX_ATTEMPTS
             try:
@@ -381,14 +390,56 @@ class PostgresStore:
                 # Jittered backoff, so the transactions that collided do not collide again.
                 await asyncio.sleep(random.uniform(0.001, 0.005 * number))
             except psycopg.OperationalError:
-                if conn is None or not conn.broken:
+                broken = conn is not None and conn.broken
+                if broken:
+                    self._check_pool(pool)
+                if attempt.committing and attempt.result is not None:
+                    # The COMMIT was sent and its answer lost: look for its effect.
+                    if await self._committed(pool, attempt.written, deadline):
+                        return attempt.result
+                elif broken and not attempt.committing:
+                    # Dead before COMMIT was sent: the server rolls that transaction
+                    # back, so running it again on another connection is safe.
+                    log.info("PostgreSQL store: a pooled connection was dead; trying another")
+                else:
                     raise
-                self._check_pool(pool)
-                # A connection found dead before COMMIT was sent: the server rolls
-                # that transaction back, so running it again elsewhere is safe.
-                if attempt.committing or last:
+                if last:
                     raise
-                log.info("PostgreSQL store: a pooled connection was dead; trying another")
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _committed(
+        self, pool: AsyncConnectionPool[Connection], written: LeaseRecord | None, deadline: float
+    ) -> bool:
+        """Whether a decision whose COMMIT was cut off took effect.
+
+        A decision that writes nothing holds either way. Otherwise the key's row is
+        read with ``FOR UPDATE``, which waits for a transaction still holding it to
+        finish: the row then equals the written record exactly (its owner digest and
+        decision time make it unique) if and only if the COMMIT took effect. When it
+        did not, deciding again is safe. (A first write to a new key is the one case
+        where the lock cannot be waited for; a retry then meets that row through
+        ``INSERT … ON CONFLICT`` and decides against it, so still nothing is granted
+        twice.)
+        """
+        if written is None:
+            return True
+        loop = asyncio.get_running_loop()
+        for number in range(1, _MAX_ATTEMPTS + 1):
+            conn: Connection | None = None
+            try:
+                async with pool.connection(timeout=max(0.0, deadline - loop.time())) as conn:
+                    cursor = await conn.execute(_LOCK_ROW, (written.key_id,))
+                    row = await cursor.fetchone()
+            except psycopg.OperationalError:
+                if conn is None or not conn.broken or number == _MAX_ATTEMPTS:
+                    raise
+                continue  # another dead pooled connection: the read is safe to repeat
+            landed = row is not None and LeaseRecord(written.key_id, *row) == written
+            log.info(
+                "PostgreSQL store: a cut-off COMMIT %s",
+                "had taken effect" if landed else "had not taken effect; deciding again",
+            )
+            return landed
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _check_pool(self, pool: AsyncConnectionPool[Connection]) -> None:
