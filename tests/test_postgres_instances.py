@@ -501,6 +501,8 @@ def test_killed_and_blocked_database_answers_503_and_recovers(
     for _ in range(3):
         killed += terminate_backends(pg_url, schema)
         time.sleep(0.7)
+    kill_ended = time.monotonic()
+    time.sleep(0.5)  # a gap, so that each answer belongs to one fault
     block_started = time.monotonic()
     with psycopg.connect(pg_url) as blocker:
         blocker.execute(f"LOCK TABLE {schema}.leasekeeper_leases IN ACCESS EXCLUSIVE MODE")
@@ -535,7 +537,7 @@ def test_killed_and_blocked_database_answers_503_and_recovers(
         print(
             f"\nfault: requests={len(calls)} ok={sum(c.status < 300 for c in calls)} "
             f"unavailable={len(unavailable)} (while killing "
-            f"{sum(kill_started <= c.sent < block_started for c in unavailable)}, while blocked "
+            f"{sum(kill_started <= c.sent < kill_ended for c in unavailable)}, while blocked "
             f"{sum(block_started <= c.sent < block_ended for c in unavailable)}) "
             f"other errors={len(others)} backends killed={killed} "
             f"max latency={max(c.seconds for c in calls):.2f}s "
