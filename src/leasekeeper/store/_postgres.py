@@ -414,12 +414,14 @@ class PostgresStore:
 
         A decision that writes nothing holds either way. Otherwise the key's row is
         read with ``FOR UPDATE``, which waits for a transaction still holding it to
-        finish: the row then equals the written record exactly (its owner digest and
-        decision time make it unique) if and only if the COMMIT took effect. When it
-        did not, deciding again is safe. (A first write to a new key is the one case
-        where the lock cannot be waited for; a retry then meets that row through
-        ``INSERT … ON CONFLICT`` and decides against it, so still nothing is granted
-        twice.)
+        finish: the row equals the written record (its owner digest and decision time
+        make it unique) when the COMMIT took effect and nothing changed the row since.
+        Otherwise the decision is made again, against whatever the row holds now; that
+        is safe, and at worst conservative (a release that did happen, followed at
+        once by a new owner, is reported lost). A first write to a new key is the one
+        case where the lock cannot be waited for; the new decision then meets that
+        row through ``INSERT … ON CONFLICT`` and decides against it, so nothing is
+        granted twice.
         """
         if written is None:
             return True
