@@ -108,6 +108,8 @@ class Op:
     token: str | None = None
     ttl: int | None = None
     fingerprint: str | None = None
+    #: The result a complete submitted (to recognise it when its answer was lost).
+    result: Any = None
 
     @property
     def end(self) -> float:
@@ -276,6 +278,7 @@ class Recorder:
             token=token,
             ttl=body.get("ttl_seconds"),
             fingerprint=body.get("fingerprint"),
+            result=body.get("result"),
         )
 
 
