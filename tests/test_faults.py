@@ -58,18 +58,18 @@ class Target:
         with contextlib.closing(sqlite3.connect(self.db)) as conn:
             return str(conn.execute("PRAGMA integrity_check").fetchone()[0])
 
-    def terminate_backends(self) -> int:
-        """End every PostgreSQL connection of this run's instances, mid-transaction or not."""
+    def terminate_backends(self) -> tuple[int, int]:
+        """End every PostgreSQL connection of this run's instances; (ended, in a transaction)."""
         import psycopg
 
         assert self.admin_url is not None
         with psycopg.connect(self.admin_url, autocommit=True, connect_timeout=5) as conn:
             rows = conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                "WHERE application_name = %s AND pid <> pg_backend_pid()",
+                "SELECT pg_terminate_backend(pid), xact_start IS NOT NULL "
+                "FROM pg_stat_activity WHERE application_name = %s AND pid <> pg_backend_pid()",
                 (self.schema,),
             ).fetchall()
-        return len(rows)
+        return len(rows), sum(1 for _, in_transaction in rows if in_transaction)
 
 
 @contextlib.contextmanager
@@ -400,7 +400,7 @@ def crash_run(kind: str, tmp_path: Path, plan: Crash) -> None:
         log = tmp_path / "server.log"
         servers = [start_server(target.url, log, port=port) for port in ports]
         integrity: list[str] = []
-        terminated = 0
+        terminated = in_transaction = 0
         try:
             ns = mint(servers[0])
             run.start(
@@ -416,7 +416,9 @@ def crash_run(kind: str, tmp_path: Path, plan: Crash) -> None:
             for _ in range(plan.kills):
                 time.sleep(rng.uniform(0.3, 1.2))
                 if target.kind == "postgres":
-                    terminated += target.terminate_backends()
+                    ended, busy = target.terminate_backends()
+                    terminated += ended
+                    in_transaction += busy
                     time.sleep(rng.uniform(0.05, 0.3))
                 victim = rng.randrange(instances)
                 servers[victim].kill()
@@ -432,7 +434,8 @@ def crash_run(kind: str, tmp_path: Path, plan: Crash) -> None:
     result = check(history)
     label = (
         f"crash {plan.label} store={kind} instances={instances} kills={plan.kills} "
-        f"terminated_backends={terminated} integrity_ok={integrity.count('ok')}/{len(integrity)} "
+        f"terminated_backends={terminated} (in_transaction={in_transaction}) "
+        f"integrity_ok={integrity.count('ok')}/{len(integrity)} "
         f"verified_keys={verified.keys} (held={verified.held} completed={verified.completed} "
         f"free={verified.free}) verify_problems={len(verified.problems)}"
     )
