@@ -46,6 +46,7 @@ log = logging.getLogger("leasekeeper.http")
 
 BASE_PATH = "/services/v1"
 _JSON = "application/json"
+_JSON_WHITESPACE = b" \t\r\n"
 
 
 def create_app(
@@ -110,7 +111,10 @@ def create_app(
                     limit(
                         mint_limit, client_address(request), "namespaces minted from this address"
                     )
-                    data: dict[str, Any] = parse_json_object(raw) if raw.strip() else {}
+                    # Only JSON's own whitespace makes an empty body: bytes.strip() would also
+                    # drop \x0b and \x0c, which are not JSON and must be refused.
+                    empty = not raw.strip(_JSON_WHITESPACE)
+                    data: dict[str, Any] = {} if empty else parse_json_object(raw)
                 else:
                     data = parse_json_object(raw)
                 namespace = data.get("namespace")
