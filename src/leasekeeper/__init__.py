@@ -18,6 +18,7 @@ from leasekeeper._errors import (
     PayloadTooLarge,
     RateLimited,
     RequestError,
+    RequestTimeout,
     ServerError,
     ServiceUnavailable,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "RateLimited",
     "Reply",
     "RequestError",
+    "RequestTimeout",
     "ServerError",
     "ServiceUnavailable",
     "Settings",

@@ -13,6 +13,7 @@ client SDK raises the very same classes when it reads such a body back.
     │   ├── PayloadTooLarge         413 too_large: body over 64 KiB, result over 32 KiB
     │   ├── NotFound                404 not_found: no such route
     │   ├── MethodNotAllowed        405 method_not_allowed
+    │   ├── RequestTimeout          408 timeout: headers or body not sent in time (slow client)
     │   └── RateLimited             429 rate_limited; .retry_after_seconds
     ├── LeaseConflict               409: the key's state refuses the request
     │   ├── LeaseHeld               409 held: another owner holds a live lease;
@@ -44,6 +45,7 @@ __all__ = [
     "PayloadTooLarge",
     "RateLimited",
     "RequestError",
+    "RequestTimeout",
     "ServerError",
     "ServiceUnavailable",
 ]
@@ -99,6 +101,17 @@ class MethodNotAllowed(RequestError):
 
     status = "method_not_allowed"
     default_message = "Method not allowed"
+
+
+class RequestTimeout(RequestError):
+    """The client took too long to send its request's headers or body.
+
+    A slow or stalled client would otherwise hold one of the server's connections
+    for as long as it likes; the connection is closed after this answer.
+    """
+
+    status = "timeout"
+    default_message = "The request was not received in time"
 
 
 class RateLimited(RequestError):

@@ -31,6 +31,12 @@ class Metrics:
         self.cleanup_runs = Counter(
             "leasekeeper_cleanup_runs", "Cleanup runs", ["result"], registry=self.registry
         )
+        self.slow_clients = Counter(
+            "leasekeeper_slow_clients",
+            "Requests refused with 408 because the client sent its headers or body too slowly",
+            ["stage"],
+            registry=self.registry,
+        )
         self.cleanup_deleted = Counter(
             "leasekeeper_cleanup_deleted_records",
             "Records deleted because their lifecycle was over",

@@ -14,6 +14,9 @@ LEASEKEEPER_CLEANUP_BATCH              records deleted per batch    1000
 LEASEKEEPER_STORE_TIMEOUT_SECONDS      longest wait for the store   5
 LEASEKEEPER_MAX_BODY_BYTES             request body limit           65536
 LEASEKEEPER_MAX_CONNECTIONS            concurrent connections       1000
+LEASEKEEPER_REQUEST_TIMEOUT_SECONDS    time to send headers, and    10
+                                       again to send the body
+LEASEKEEPER_KEEP_ALIVE_SECONDS         idle time between requests   30
 LEASEKEEPER_NAMESPACE_RATE             mints per second per address 10
 LEASEKEEPER_NAMESPACE_BURST            mint burst per address       100
 LEASEKEEPER_ADDRESS_RATE / _BURST      requests/s per address       0 (off) / 1000
@@ -54,6 +57,8 @@ class Settings:
     store_timeout_seconds: float = 5.0
     max_body_bytes: int = 65_536
     max_connections: int = 1000
+    request_timeout_seconds: float = 10.0
+    keep_alive_seconds: int = 30
     namespace_rate: float = 10.0
     namespace_burst: int = 100
     address_rate: float = 0.0
@@ -86,6 +91,8 @@ class Settings:
             "LEASEKEEPER_STORE_TIMEOUT_SECONDS": self.store_timeout_seconds,
             "LEASEKEEPER_MAX_BODY_BYTES": self.max_body_bytes,
             "LEASEKEEPER_MAX_CONNECTIONS": self.max_connections,
+            "LEASEKEEPER_REQUEST_TIMEOUT_SECONDS": self.request_timeout_seconds,
+            "LEASEKEEPER_KEEP_ALIVE_SECONDS": self.keep_alive_seconds,
             "LEASEKEEPER_NAMESPACE_BURST": self.namespace_burst,
             "LEASEKEEPER_ADDRESS_BURST": self.address_burst,
             "LEASEKEEPER_NAMESPACE_REQUEST_BURST": self.namespace_request_burst,

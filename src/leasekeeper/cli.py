@@ -57,12 +57,17 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
     """Run the HTTP API (and MCP at /mcp)."""
     import uvicorn
 
-    from leasekeeper.http import create_app, json_unavailable_app
+    from leasekeeper.http import create_app
+    from leasekeeper.http._protocol import guard_protocol
 
     settings = _settings(host=host, port=port, store=store)
     configure_logging(settings.log_level)
     app = create_app(_service(settings), settings)
     _json_connection_limit_responses()
+    slow_headers = app.metrics.slow_clients.labels("headers")
+    protocol = guard_protocol(
+        _http_protocol(), settings.request_timeout_seconds, on_timeout=slow_headers.inc
+    )
     log.info(
         "leasekeeper listening on http://%s:%d (store scheme %s)",
         settings.host,
@@ -74,14 +79,24 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
         host=settings.host,
         port=settings.port,
         loop="uvloop" if _has("uvloop") else "asyncio",
-        http="httptools" if _has("httptools") else "h11",
+        http=protocol,
         limit_concurrency=settings.max_connections,
         access_log=False,
         log_config=None,
-        timeout_keep_alive=30,
+        timeout_keep_alive=settings.keep_alive_seconds,
         server_header=False,
     )
-    del json_unavailable_app
+
+
+def _http_protocol() -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol when httptools is installed, else its h11 one."""
+    if _has("httptools"):
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        return HttpToolsProtocol
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    return H11Protocol
 
 
 def _has(module: str) -> bool:

@@ -31,6 +31,7 @@ from leasekeeper._errors import (
     LeaseError,
     PayloadTooLarge,
     RateLimited,
+    RequestTimeout,
     ServiceUnavailable,
 )
 from leasekeeper._limits import RateLimiter
@@ -73,6 +74,7 @@ def create_app(
         settings.namespace_request_rate, settings.namespace_request_burst, monotonic=monotonic
     )
     max_body = settings.max_body_bytes
+    body_timeout = settings.request_timeout_seconds
 
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -81,14 +83,22 @@ def create_app(
         chunks = []
         size = 0
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > max_body:
-                    raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
-                chunks.append(chunk)
+            # A client trickling its body (or lying about its length) must not hold a
+            # connection forever; the headers have their own bound (http._protocol).
+            async with asyncio.timeout(body_timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > max_body:
+                        raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
+                    chunks.append(chunk)
         except ClientDisconnect:
             # Nobody is left to answer; a client going away is not a server fault.
             raise InvalidRequest("The client disconnected before sending the whole body") from None
+        except TimeoutError:
+            metrics.slow_clients.labels("body").inc()
+            raise RequestTimeout(
+                f"The request body was not received within {body_timeout:g} seconds"
+            ) from None
         return b"".join(chunks)
 
     def client_address(request: Request) -> str:
@@ -103,10 +113,12 @@ def create_app(
 
     def lease_endpoint(operation: str) -> Callable[[Request], Any]:
         async def endpoint(request: Request) -> Response:
+            body_read = False
             try:
                 if address_limit.enabled:
                     limit(address_limit, client_address(request), "requests from this address")
                 raw = await read_body(request)
+                body_read = True
                 if operation == "namespace":
                     limit(
                         mint_limit, client_address(request), "namespaces minted from this address"
@@ -123,7 +135,11 @@ def create_app(
                     limit(namespace_limit, digest, "requests for this namespace")
                 reply = await service.handle(operation, data)
             except LeaseError as error:
-                return error_response(error)
+                response = error_response(error)
+                if not body_read:
+                    # The rest of the body may still be on its way: end the connection.
+                    response.headers["connection"] = "close"
+                return response
             return Response(
                 reply.json_bytes(), status_code=201 if reply.created else 200, media_type=_JSON
             )

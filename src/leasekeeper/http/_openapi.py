@@ -91,6 +91,7 @@ _RESPONSES: dict[str, dict[str, Any]] = {
                     "invalid",
                     "not_found",
                     "method_not_allowed",
+                    "timeout",
                     "held",
                     "conflict",
                     "lost",
@@ -129,6 +130,7 @@ def _json(name: str, description: str, *, retry_after: bool = False) -> dict[str
 
 _COMMON_ERRORS = {
     "400": _json("Error", "invalid: bad JSON, wrong type, or a broken rule"),
+    "408": _json("Error", "timeout: the request body was not sent in time"),
     "413": _json("Error", "too_large: body over 64 KiB, or result over 32 KiB"),
     "429": _json("Error", "rate_limited", retry_after=True),
     "503": _json("Error", "unavailable: the store cannot be reached", retry_after=True),
