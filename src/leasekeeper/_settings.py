@@ -22,6 +22,8 @@ LEASEKEEPER_NAMESPACE_BURST            mint burst per address       100
 LEASEKEEPER_ADDRESS_RATE / _BURST      requests/s per address       0 (off) / 1000
 LEASEKEEPER_NAMESPACE_REQUEST_RATE     requests/s per namespace     0 (off)
 LEASEKEEPER_NAMESPACE_REQUEST_BURST    burst per namespace          1000
+LEASEKEEPER_LIVE_LEASES_INTERVAL_SECONDS
+                                       period of the live count     15 (0 = off)
 LEASEKEEPER_LOG_LEVEL                  logging level                INFO
 =====================================  ===========================  ==============
 """
@@ -65,6 +67,7 @@ class Settings:
     address_burst: int = 1000
     namespace_request_rate: float = 0.0
     namespace_request_burst: int = 1000
+    live_leases_interval_seconds: float = 15.0
     log_level: str = "INFO"
 
     @classmethod
@@ -101,13 +104,14 @@ class Settings:
             if value <= 0:
                 raise SettingsError(f"{name} must be greater than 0")
         rates = {
+            "LEASEKEEPER_LIVE_LEASES_INTERVAL_SECONDS": self.live_leases_interval_seconds,
             "LEASEKEEPER_NAMESPACE_RATE": self.namespace_rate,
             "LEASEKEEPER_ADDRESS_RATE": self.address_rate,
             "LEASEKEEPER_NAMESPACE_REQUEST_RATE": self.namespace_request_rate,
         }
         for name, rate in rates.items():
             if rate < 0:
-                raise SettingsError(f"{name} must be 0 (off) or a positive rate")
+                raise SettingsError(f"{name} must be 0 (off) or a positive number")
         if not 0 < self.port < 65536:
             raise SettingsError("LEASEKEEPER_PORT must be a TCP port from 1 to 65535")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
