@@ -23,8 +23,8 @@ test: check pytest  ## the whole suite: lint, types, tests
 check: lint typecheck
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests $(wildcard bench)
+	$(BIN)/ruff format --check src tests $(wildcard bench)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -10,6 +10,7 @@ afterwards; without that variable they skip with the reason, except in CI
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from leasekeeper.http import create_app
 from leasekeeper.store import MemoryStore, SqliteStore, Store
 
 BASE = "/services/v1"
-STORE_KINDS = ["memory", "sqlite"]
+STORE_KINDS = ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
 
 class FakeMonotonic:
@@ -52,18 +53,69 @@ StoreFactory = Callable[..., Store]
 
 
 @pytest.fixture
-def make_store(tmp_path: Path, clock: FakeClock) -> StoreFactory:
-    """``make_store(kind)`` builds an unopened store of that kind on the shared fake clock."""
-    counter = iter(range(1_000_000))
+def make_store(tmp_path: Path, clock: FakeClock) -> Iterator[StoreFactory]:
+    """``make_store(kind)`` builds an unopened store of that kind on the shared fake clock.
 
-    def make(kind: str, **options: Any) -> Store:
+    ``make_store(kind, like=store)`` builds another store over the same data, as a
+    restarted process (or a second instance) would see it; for ``memory`` that is
+    the same object, since nothing else survives. PostgreSQL stores get a schema
+    of their own, dropped at teardown together with their connections.
+    """
+    counter = iter(range(1_000_000))
+    schemas: list[str] = []
+
+    def make(kind: str, *, like: Store | None = None, **options: Any) -> Store:
         if kind == "memory":
-            return MemoryStore(clock)
+            return like if like is not None else MemoryStore(clock)
         if kind == "sqlite":
+            if like is not None:
+                assert isinstance(like, SqliteStore)
+                return SqliteStore(like.path, clock, **options)
             return SqliteStore(tmp_path / f"store-{next(counter)}.db", clock, **options)
+        if kind == "postgres":
+            url = postgres_url()
+            if url is None:
+                pytest.skip(
+                    "PostgreSQL tests need LEASEKEEPER_TEST_POSTGRES_URL (make test sets it)"
+                )
+            from leasekeeper.store._postgres import PostgresStore
+
+            if like is not None:
+                schema = getattr(like, "schema", None)
+                assert isinstance(schema, str)
+            else:
+                schema = new_schema_name()
+                schemas.append(schema)
+            options.setdefault("application_name", schema)
+            options.setdefault("clock", clock)
+            # ``url=`` connects elsewhere (a proxy in fault tests); the schema is the same.
+            return PostgresStore(options.pop("url", url), schema=schema, **options)
         raise ValueError(f"unknown store kind {kind}")
 
-    return make
+    yield make
+    url = postgres_url() if schemas else None
+    for schema in schemas:
+        assert url is not None
+        drop_schema(url, schema)
+
+
+def new_schema_name() -> str:
+    """A schema name no other test (or other engineer's run) will pick."""
+    return f"lk_test_{secrets.token_hex(6)}"
+
+
+def drop_schema(url: str, schema: str) -> None:
+    """End the connections named after ``schema`` and drop it with everything in it."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:
+        conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE application_name = %s AND pid <> pg_backend_pid()",
+            (schema,),
+        )
+        conn.execute("SET lock_timeout = '10s'")
+        conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
 class Api:
@@ -146,7 +198,7 @@ def postgres_url() -> str | None:
     url = os.environ.get("LEASEKEEPER_TEST_POSTGRES_URL")
     if not url and os.environ.get("CI"):
         pytest.fail("CI needs PostgreSQL: set LEASEKEEPER_TEST_POSTGRES_URL (make test does)")
-    return url
+    return url or None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -28,6 +29,7 @@ from hypothesis.stateful import (
 
 from leasekeeper import FakeClock, LeaseError, LeaseService
 from leasekeeper.store import MemoryStore, SqliteStore, Store
+from tests.conftest import drop_schema, new_schema_name, postgres_url
 
 NS = "ns_" + "S" * 42 + "A"
 KEYS = ["alpha", "beta", "gamma"]
@@ -261,6 +263,32 @@ class SqliteLeaseMachine(LeaseMachine):
     store_kind = "sqlite"
 
 
+class PostgresLeaseMachine(LeaseMachine):
+    """The same machine on PostgreSQL: a fresh schema per example, dropped after it."""
+
+    store_kind = "postgres"
+
+    def __init__(self) -> None:
+        url = postgres_url()
+        if url is None:
+            pytest.skip("PostgreSQL tests need LEASEKEEPER_TEST_POSTGRES_URL (make test sets it)")
+        self.url, self.schema = url, new_schema_name()
+        super().__init__()
+
+    def make_store(self) -> Store:
+        from leasekeeper.store._postgres import PostgresStore
+
+        return PostgresStore(
+            self.url, clock=self.clock, schema=self.schema, application_name=self.schema
+        )
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            drop_schema(self.url, self.schema)
+
+
 _settings = settings(
     max_examples=60,
     stateful_step_count=40,
@@ -271,3 +299,5 @@ TestMemoryMachine = LeaseMachine.TestCase
 TestMemoryMachine.settings = _settings
 TestSqliteMachine = SqliteLeaseMachine.TestCase
 TestSqliteMachine.settings = _settings
+TestPostgresMachine = pytest.mark.postgres(PostgresLeaseMachine.TestCase)
+TestPostgresMachine.settings = _settings

@@ -21,17 +21,22 @@ from leasekeeper._errors import (
     RequestTimeout,
     ServerError,
     ServiceUnavailable,
+    ServiceUnreachable,
+    StaleFence,
 )
 from leasekeeper._service import LeaseService, Reply
 from leasekeeper._settings import Settings, SettingsError
+from leasekeeper.client import AsyncLeaseClient, LeaseClient
 from leasekeeper.store import Store, open_store
 
 __all__ = [
+    "AsyncLeaseClient",
     "Clock",
     "FakeClock",
     "FingerprintConflict",
     "InternalError",
     "InvalidRequest",
+    "LeaseClient",
     "LeaseConflict",
     "LeaseError",
     "LeaseHeld",
@@ -46,8 +51,10 @@ __all__ = [
     "RequestTimeout",
     "ServerError",
     "ServiceUnavailable",
+    "ServiceUnreachable",
     "Settings",
     "SettingsError",
+    "StaleFence",
     "Store",
     "SystemClock",
     "open_store",

@@ -20,9 +20,17 @@ client SDK raises the very same classes when it reads such a body back.
     │   │                           .retry_after_seconds, .fencing_token, expiries
     │   ├── FingerprintConflict     409 conflict: the key is bound to another fingerprint
     │   └── LeaseLost               409 lost: the caller is not the live owner (any more)
+    │       └── StaleFence          client only: a protected system refused an older
+    │                               fencing token (``leasekeeper.client.FenceGuard``)
     └── ServerError                 the service is at fault (5xx)
         ├── ServiceUnavailable      503 unavailable; .retry_after_seconds
+        │   └── ServiceUnreachable  client only: no answer at all (connection refused or
+        │                           reset, timeout); the request may or may not have landed
         └── InternalError           500 internal, never with details
+
+The client reads an error back with ``error_from_body``, the inverse of
+``body()``: the body's ``status`` word picks the class, and the HTTP status code
+picks one when the body is not ours (a proxy's HTML page, say).
 
 Messages never contain a request's values: a namespace, key, token or fingerprint
 is a secret, and an error body may end up in a log.
@@ -30,6 +38,7 @@ is a secret, and an error body may end up in a log.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 __all__ = [
@@ -48,6 +57,9 @@ __all__ = [
     "RequestTimeout",
     "ServerError",
     "ServiceUnavailable",
+    "ServiceUnreachable",
+    "StaleFence",
+    "error_from_body",
 ]
 
 
@@ -233,3 +245,144 @@ class InternalError(ServerError):
 
     status = "internal"
     default_message = "Internal error"
+
+
+class ServiceUnreachable(ServiceUnavailable):
+    """Client only: the service gave no answer (connection refused or reset, a timeout).
+
+    The request may or may not have reached the service: an acquire that timed out
+    may have created a lease this caller never saw the token of (it then expires
+    after its TTL). Retry after ``retry_after_seconds``.
+    """
+
+    status = "unreachable"
+    default_message = "Could not reach the lease service; retry shortly"
+
+
+class StaleFence(LeaseLost):
+    """Client only: a protected system refused a write carrying an older fencing token.
+
+    A newer owner of the lease has already written to this resource, so this
+    caller's ownership is over: stop the work. Raised by
+    ``leasekeeper.client.FenceGuard``; ``resource`` is the caller's own name for the
+    protected thing and stays out of the message.
+    """
+
+    status = "stale_fence"
+    default_message = "A newer fencing token has already been seen for this resource"
+
+    def __init__(
+        self,
+        error: str | None = None,
+        *,
+        resource: str,
+        fencing_token: int,
+        current_fence: int,
+    ) -> None:
+        super().__init__(
+            error
+            or f"Fencing token {fencing_token} is older than {current_fence}, "
+            "already seen for this resource; a newer owner has written"
+        )
+        self.resource = resource
+        self.fencing_token = fencing_token
+        self.current_fence = current_fence
+
+    def body(self) -> dict[str, Any]:
+        return {
+            **super().body(),
+            "fencing_token": self.fencing_token,
+            "current_fence": self.current_fence,
+        }
+
+
+# -- reading an error body back (the client's one choke point) ------------------------------
+
+
+def _int(value: Any, default: int) -> int:
+    # bool is an int in Python; a body with `true` here is not ours to trust.
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+def _str(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _wait(body: Mapping[str, Any], retry_after: int | None) -> int:
+    """``retry_after_seconds`` from the body, else the header, else 1 (at least 1)."""
+    return max(1, _int(body.get("retry_after_seconds"), retry_after or 1))
+
+
+_Builder = Callable[[str | None, Mapping[str, Any], int | None], LeaseError]
+
+#: Status word of a service error body -> how to rebuild the exception.
+_FROM_STATUS: dict[str, _Builder] = {
+    InvalidRequest.status: lambda e, b, r: InvalidRequest(e),
+    PayloadTooLarge.status: lambda e, b, r: PayloadTooLarge(e),
+    NotFound.status: lambda e, b, r: NotFound(e),
+    MethodNotAllowed.status: lambda e, b, r: MethodNotAllowed(e),
+    RateLimited.status: lambda e, b, r: RateLimited(e, retry_after_seconds=_wait(b, r)),
+    LeaseHeld.status: lambda e, b, r: LeaseHeld(
+        e,
+        retry_after_seconds=_wait(b, r),
+        fencing_token=_int(b.get("fencing_token"), 0),
+        lease_expires_at=_str(b.get("lease_expires_at")),
+        absolute_expires_at=_str(b.get("absolute_expires_at")),
+    ),
+    FingerprintConflict.status: lambda e, b, r: FingerprintConflict(
+        e, absolute_expires_at=_str(b.get("absolute_expires_at"))
+    ),
+    LeaseLost.status: lambda e, b, r: LeaseLost(e),
+    ServiceUnavailable.status: lambda e, b, r: ServiceUnavailable(
+        e, retry_after_seconds=_wait(b, r)
+    ),
+    InternalError.status: lambda e, b, r: InternalError(e),
+}
+
+#: HTTP status code -> class, for bodies that carry no status word of ours.
+_FROM_HTTP_STATUS: dict[int, _Builder] = {
+    400: _FROM_STATUS["invalid"],
+    404: _FROM_STATUS["not_found"],
+    405: _FROM_STATUS["method_not_allowed"],
+    413: _FROM_STATUS["too_large"],
+    429: _FROM_STATUS["rate_limited"],
+    502: _FROM_STATUS["unavailable"],
+    503: _FROM_STATUS["unavailable"],
+    504: _FROM_STATUS["unavailable"],
+}
+
+
+def error_from_body(
+    body: Mapping[str, Any] | None,
+    *,
+    http_status: int | None = None,
+    retry_after: int | None = None,
+) -> LeaseError:
+    """The exception a non-2xx response describes: the inverse of ``LeaseError.body()``.
+
+    ``body`` is the response's JSON object (None when it was not JSON). Its
+    ``status`` word picks the class and its fields fill the attributes. When the
+    word is missing or unknown (a proxy answered, say), ``http_status`` picks the
+    class: an unlisted 4xx is ``InvalidRequest``, anything else ``InternalError``.
+    ``retry_after`` is the ``Retry-After`` header in seconds, used when the body has
+    no ``retry_after_seconds``.
+    """
+    body = body if body is not None else {}
+    message = body.get("error")
+    error = message if isinstance(message, str) and message else None
+    build = _FROM_STATUS.get(_str(body.get("status")))
+    if build is not None:
+        return build(error, body, retry_after)
+    if http_status is not None:
+        build = _FROM_HTTP_STATUS.get(http_status)
+        if build is not None:
+            return build(error, body, retry_after)
+        if http_status == 409:
+            return LeaseConflict(error or "The key's state refuses this request")
+        if 400 <= http_status < 500:
+            return InvalidRequest(f"Unexpected HTTP {http_status} response from the service")
+    return InternalError(
+        f"Unexpected HTTP {http_status} response from the service"
+        if http_status is not None
+        else None
+    )

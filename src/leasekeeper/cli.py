@@ -1,4 +1,4 @@
-"""The ``leasekeeper`` command: ``serve`` and ``cleanup``."""
+"""The ``leasekeeper`` command: ``serve``, ``mcp`` and ``cleanup``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import click
 from leasekeeper._logging import configure_logging
 from leasekeeper._service import LeaseService
 from leasekeeper._settings import Settings, SettingsError
+from leasekeeper.client._cli import CLIENT_COMMANDS
 from leasekeeper.store import StoreURLError, open_store
 
 __all__ = ["main"]
@@ -45,6 +46,11 @@ def main() -> None:
     """leasekeeper: leases, fencing tokens and idempotent results."""
 
 
+# namespace, acquire, renew, release, complete, run: the client commands.
+for _command in CLIENT_COMMANDS:
+    main.add_command(_command)
+
+
 @main.command()
 @click.option("--host", default=None, help="Listen address [LEASEKEEPER_HOST, 127.0.0.1].")
 @click.option("--port", type=int, default=None, help="Listen port [LEASEKEEPER_PORT, 8787].")
@@ -59,10 +65,14 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
 
     from leasekeeper.http import create_app
     from leasekeeper.http._protocol import guard_protocol
+    from leasekeeper.mcp import quiet_sdk_logs, streamable_http_mount
 
     settings = _settings(host=host, port=port, store=store)
     configure_logging(settings.log_level)
-    app = create_app(_service(settings), settings)
+    service = _service(settings)
+    quiet_sdk_logs()
+    mcp = streamable_http_mount(service, settings)
+    app = create_app(service, settings, extra_routes=mcp.routes, lifespan_hooks=mcp.lifespan_hooks)
     _json_connection_limit_responses()
     slow_headers = app.metrics.slow_clients.labels("headers")
     protocol = guard_protocol(
@@ -120,6 +130,36 @@ def _json_connection_limit_responses() -> None:
         except ImportError:
             continue
         module.service_unavailable = responder  # type: ignore[attr-defined]
+
+
+@main.command("mcp")
+@click.option(
+    "--store",
+    default=None,
+    help="Store URL [LEASEKEEPER_STORE, sqlite:///./leasekeeper.db].",
+)
+def mcp_command(store: str | None) -> None:
+    """Serve the MCP tools over stdio, for desktop agents.
+
+    stdout carries the protocol; logs go to stderr and never contain tool
+    arguments or results.
+    """
+    from leasekeeper.mcp import quiet_sdk_logs, serve_stdio
+
+    settings = _settings(store=store)
+    configure_logging(settings.log_level)
+    quiet_sdk_logs()
+    service = _service(settings)
+    log.info("leasekeeper MCP on stdio (store scheme %s)", settings.store.partition(":")[0])
+    try:
+        asyncio.run(
+            serve_stdio(service, cleanup_interval_seconds=settings.cleanup_interval_seconds)
+        )
+    except KeyboardInterrupt:
+        pass
+    except Exception:
+        log.exception("MCP stdio server failed")
+        sys.exit(1)
 
 
 @main.command()

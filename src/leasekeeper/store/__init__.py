@@ -4,6 +4,7 @@
 ``sqlite:///relative/path.db``     embedded SQLite file (the default,
 ``sqlite:////absolute/path.db``    ``sqlite:///./leasekeeper.db``)
 ``postgresql://user@host/db``      PostgreSQL, for several service instances
+``postgres://user@host/db``        (the same); needs ``leasekeeper[postgres]``
 ``memory://``                      in-process dict; nothing survives a restart
 =================================  ===========================================
 """
@@ -53,7 +54,24 @@ def open_store(url: str, *, clock: Clock | None = None, timeout_seconds: float =
     if scheme == "memory":
         return MemoryStore(clock)
     if scheme in ("postgresql", "postgres"):
-        raise StoreURLError("the PostgreSQL store is not available in this version")
+        return _postgres_store(url, clock, timeout_seconds)
     raise StoreURLError(
         "unknown store URL scheme; use sqlite:///path.db, postgresql://… or memory://"
     )
+
+
+def _postgres_store(url: str, clock: Clock | None, timeout_seconds: float) -> Store:
+    # Imported here: psycopg is an optional dependency (``leasekeeper[postgres]``).
+    try:
+        from leasekeeper.store._postgres import PostgresStore
+    except ImportError as exc:
+        raise StoreURLError(
+            "the PostgreSQL store needs psycopg and psycopg-pool: "
+            "pip install 'leasekeeper[postgres]'"
+        ) from exc
+    # libpq knows the scheme only in lower case.
+    url = "postgresql" + url[url.index("://") :]
+    try:
+        return PostgresStore(url, clock=clock, timeout_seconds=timeout_seconds)
+    except ValueError as exc:
+        raise StoreURLError(f"PostgreSQL store: {exc}") from None

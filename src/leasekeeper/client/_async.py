@@ -1,0 +1,452 @@
+"""The asyncio client: ``AsyncLeaseClient`` and the ``AsyncHeldLease`` of ``async with``."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import math
+import random as _random
+import time
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any, ParamSpec
+
+import httpx
+
+from leasekeeper._errors import LeaseError, LeaseLost
+from leasekeeper.client._http import (
+    BASE_PATH,
+    DEFAULT_TIMEOUT,
+    DEFAULT_URL,
+    HEADERS,
+    api_root,
+    encode,
+    lease_body,
+    read_response,
+    unreachable,
+)
+from leasekeeper.client._renewer import AsyncRenewalWorker, AsyncSignal, AsyncWaiter, TaskFactory
+from leasekeeper.client._results import (
+    Completed,
+    Lease,
+    Released,
+    parse_acquire,
+    parse_completed,
+    parse_lease,
+    parse_released,
+)
+from leasekeeper.client._sync import _WAITABLE, OnWait, Wait
+from leasekeeper.client._timing import RenewalPlan, acquire_delay, as_seconds
+
+__all__ = ["AsyncHeldLease", "AsyncLeaseClient"]
+
+log = logging.getLogger("leasekeeper.client")
+
+P = ParamSpec("P")
+
+#: ``on_lost(error)``: a function or a coroutine function, told once when the lease is lost.
+AsyncOnLost = Callable[[LeaseLost], object]
+
+
+class AsyncLeaseClient:
+    """The asyncio mirror of ``LeaseClient``; every operation is a coroutine.
+
+    ``AsyncLeaseClient("http://127.0.0.1:8787")``, or ``client=`` an
+    ``httpx.AsyncClient`` of yours, or ``transport=`` (for example
+    ``httpx.ASGITransport(app)`` to talk to an app in-process).
+    ``monotonic``, ``signal_factory``, ``task_factory`` and ``random`` drive
+    waiting and background renewal; tests replace them.
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        *,
+        client: httpx.AsyncClient | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        monotonic: Callable[[], float] = time.monotonic,
+        signal_factory: Callable[[], AsyncWaiter] = AsyncSignal,
+        task_factory: TaskFactory = asyncio.ensure_future,
+        random: Callable[[], float] = _random.random,
+    ) -> None:
+        if client is not None and transport is not None:
+            raise TypeError("pass either client= or transport=, not both")
+        if client is None:
+            self._http = httpx.AsyncClient(
+                base_url=api_root(base_url or DEFAULT_URL), transport=transport, timeout=timeout
+            )
+            self._prefix = ""
+            self._owns_http = True
+        else:
+            self._http = client
+            self._prefix = api_root(base_url) if base_url else BASE_PATH
+            self._owns_http = False
+        self.timeout = timeout
+        self._monotonic = monotonic
+        self._signal_factory = signal_factory
+        self._task_factory = task_factory
+        self._random = random
+
+    async def aclose(self) -> None:
+        """Close the HTTP client if this object opened it."""
+        if self._owns_http:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncLeaseClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def _post(
+        self, route: str, body: dict[str, Any], request_seconds: float | None = None
+    ) -> Any:
+        content = encode(body)
+        try:
+            # A shorter timeout only on our own client: an injected one keeps its settings
+            # (Starlette's TestClient, for one, refuses a per-request timeout).
+            if request_seconds is None or not self._owns_http:
+                response = await self._http.post(
+                    self._prefix + route, content=content, headers=HEADERS
+                )
+            else:
+                response = await self._http.post(
+                    self._prefix + route, content=content, headers=HEADERS, timeout=request_seconds
+                )
+        except httpx.TransportError as exc:
+            raise unreachable(exc) from exc
+        return read_response(response)
+
+    async def create_namespace(self) -> str:
+        """Mint a namespace: a 256-bit bearer secret. Keep it; nobody can recover it."""
+        return str((await self._post("/lease/namespace", {}))["namespace"])
+
+    async def acquire(
+        self,
+        namespace: str | None,
+        key: str,
+        *,
+        ttl: int | None = None,
+        fingerprint: str | None = None,
+        wait: Wait = None,
+        on_wait: OnWait | None = None,
+    ) -> Lease | Completed:
+        """Take the lease on ``key``, waiting as ``LeaseClient.acquire`` does."""
+        return (await self._acquire(namespace, key, ttl, fingerprint, wait, on_wait))[0]
+
+    async def _acquire(
+        self,
+        namespace: str | None,
+        key: str,
+        ttl: int | None,
+        fingerprint: str | None,
+        wait: Wait,
+        on_wait: OnWait | None,
+    ) -> tuple[Lease | Completed, float]:
+        body = lease_body(namespace=namespace, key=key, ttl_seconds=ttl, fingerprint=fingerprint)
+        deadline = self._monotonic() + as_seconds(wait)
+        attempt = 0
+        while True:
+            sent_at = self._monotonic()
+            try:
+                return parse_acquire(await self._post("/lease", body)), sent_at
+            except _WAITABLE as error:
+                delay = acquire_delay(
+                    attempt, error.retry_after, deadline - self._monotonic(), self._random()
+                )
+                if delay is None:
+                    raise
+                if on_wait is not None:
+                    on_wait(error, delay)
+                await self._signal_factory().wait(delay)
+                attempt += 1
+
+    async def renew(
+        self, namespace: str | None, key: str, owner_token: str, *, ttl: int | None = None
+    ) -> Lease:
+        """Move the lease's expiry to ``min(now + ttl, absolute_expires_at)``; same fence."""
+        return await self._renew(namespace, key, owner_token, ttl, None)
+
+    async def _renew(
+        self,
+        namespace: str | None,
+        key: str,
+        owner_token: str,
+        ttl: int | None,
+        request_seconds: float | None,
+    ) -> Lease:
+        body = lease_body(namespace=namespace, key=key, owner_token=owner_token, ttl_seconds=ttl)
+        return parse_lease(await self._post("/lease/renew", body, request_seconds), owner_token)
+
+    async def release(self, namespace: str | None, key: str, owner_token: str) -> Released:
+        """End ownership now; the key can be acquired at once, its binding stays."""
+        body = lease_body(namespace=namespace, key=key, owner_token=owner_token)
+        return parse_released(await self._post("/lease/release", body))
+
+    async def complete(
+        self, namespace: str | None, key: str, owner_token: str, result: Any
+    ) -> Completed:
+        """Store ``result`` (any JSON value, at most 32 KiB) and end ownership for good."""
+        body = lease_body(namespace=namespace, key=key, owner_token=owner_token, result=result)
+        return parse_completed(await self._post("/lease/complete", body))
+
+    def lease(
+        self,
+        namespace: str | None,
+        key: str,
+        *,
+        ttl: int = 30,
+        fingerprint: str | None = None,
+        wait: Wait = None,
+        on_lost: AsyncOnLost | None = None,
+        on_wait: OnWait | None = None,
+    ) -> AsyncHeldLease:
+        """A lease for an ``async with`` block; see ``AsyncHeldLease``."""
+        return AsyncHeldLease(
+            self,
+            namespace,
+            key,
+            ttl=ttl,
+            fingerprint=fingerprint,
+            wait=wait,
+            on_lost=on_lost,
+            on_wait=on_wait,
+        )
+
+    def once(
+        self,
+        namespace: str | None,
+        *,
+        key: str | Callable[..., str],
+        fingerprint: str | Callable[..., str | None] | None = None,
+        ttl: int = 30,
+        wait: Wait = math.inf,
+        on_lost: AsyncOnLost | None = None,
+    ) -> Callable[[Callable[P, Awaitable[Any]]], Callable[P, Awaitable[Any]]]:
+        """Run the decorated coroutine function at most once per key and fingerprint.
+
+        As ``LeaseClient.once``: every caller gets the stored result.
+        """
+
+        def decorate(function: Callable[P, Awaitable[Any]]) -> Callable[P, Awaitable[Any]]:
+            @functools.wraps(function)
+            async def run_once(*args: P.args, **kwargs: P.kwargs) -> Any:
+                the_key = key(*args, **kwargs) if callable(key) else key
+                the_fingerprint = (
+                    fingerprint(*args, **kwargs) if callable(fingerprint) else fingerprint
+                )
+                async with self.lease(
+                    namespace,
+                    the_key,
+                    ttl=ttl,
+                    fingerprint=the_fingerprint,
+                    wait=wait,
+                    on_lost=on_lost,
+                ) as lease:
+                    if lease.completed:
+                        return lease.result
+                    return await lease.complete(await function(*args, **kwargs))
+
+            return run_once
+
+        return decorate
+
+
+class AsyncHeldLease:
+    """The asyncio mirror of ``HeldLease``: renewed by a task, ``lost`` an ``asyncio.Event``.
+
+    ``on_lost`` may be a plain function or a coroutine function; it runs in the
+    renewal task. Leaving the block cancels the renewal task, then releases the
+    lease unless it was completed.
+    """
+
+    def __init__(
+        self,
+        client: AsyncLeaseClient,
+        namespace: str | None,
+        key: str,
+        *,
+        ttl: int,
+        fingerprint: str | None,
+        wait: Wait,
+        on_lost: AsyncOnLost | None,
+        on_wait: OnWait | None,
+    ) -> None:
+        self._client = client
+        self._namespace = namespace
+        self._key = key
+        self._ttl = ttl
+        self._fingerprint = fingerprint
+        self._wait = wait
+        self._on_lost = on_lost
+        self._on_wait = on_wait
+        self.lost = asyncio.Event()
+        self.lost_error: LeaseLost | None = None
+        self.completed = False
+        self.result: Any = None
+        self.grant: Lease | None = None
+        self.completion: Completed | None = None
+        self.renewer: AsyncRenewalWorker | None = None
+        self._lock = asyncio.Lock()
+        self._callbacks: set[asyncio.Future[None]] = set()
+        self._entered = False
+        self._ended = False
+
+    def __repr__(self) -> str:
+        state = (
+            "completed"
+            if self.completed
+            else "lost"
+            if self.lost.is_set()
+            else "ended"
+            if self._ended
+            else "held"
+            if self._entered
+            else "not entered"
+        )
+        fence = self.fencing_token if self._entered else None
+        return f"<AsyncHeldLease {state} fencing_token={fence}>"
+
+    @property
+    def fencing_token(self) -> int:
+        """The fence to send with writes (for a completed key: the completer's)."""
+        if self.completion is not None:
+            return self.completion.fencing_token
+        if self.grant is None:
+            raise RuntimeError("the lease has not been acquired; use it in an async with block")
+        return self.grant.fencing_token
+
+    async def __aenter__(self) -> AsyncHeldLease:
+        if self._entered:
+            raise RuntimeError("an AsyncHeldLease is entered once; call client.lease() again")
+        outcome, sent_at = await self._client._acquire(
+            self._namespace, self._key, self._ttl, self._fingerprint, self._wait, self._on_wait
+        )
+        self._entered = True
+        if isinstance(outcome, Completed):
+            self.completion, self.completed, self.result = outcome, True, outcome.result
+            self._ended = True
+            return self
+        self.grant = outcome
+        client = self._client
+        self.renewer = AsyncRenewalWorker(
+            self,
+            RenewalPlan.after_acquire(self._ttl, outcome.ttl_seconds, sent_at),
+            monotonic=client._monotonic,
+            signal_factory=client._signal_factory,
+            task_factory=client._task_factory,
+            request_timeout=client.timeout,
+        )
+        self.renewer.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self.renewer is not None:
+            await self.renewer.stop()
+        async with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+            try:
+                await self._client.release(self._namespace, self._key, self._token())
+            except LeaseLost:
+                log.debug("the lease was no longer held at release")
+            except LeaseError as error:
+                log.warning(
+                    "could not release the lease (%s); it expires by itself after its TTL",
+                    error.error,
+                )
+
+    def check(self) -> None:
+        """Raise ``LeaseLost`` unless this lease is still held (by the local estimate)."""
+        if self.lost.is_set() and self.lost_error is not None:
+            raise LeaseLost(self.lost_error.error)
+        if self.completed:
+            raise LeaseLost("The work on this key is completed; there is no lease to hold")
+        if self._ended or not self._entered:
+            raise LeaseLost("The lease is not held (not entered, released or exited)")
+        renewer = self.renewer
+        if renewer is not None and renewer.plan.expired(self._client._monotonic()):
+            error = LeaseLost("The lease expired before a renewal succeeded")
+            if self._set_lost(error) and self._on_lost is not None:
+                # check() is not a coroutine: a coroutine on_lost runs as a task.
+                task = asyncio.ensure_future(self._call_on_lost(error))
+                self._callbacks.add(task)
+                task.add_done_callback(self._callbacks.discard)
+            raise LeaseLost(error.error)
+
+    async def complete(self, result: Any) -> Any:
+        """Store ``result`` and end ownership for good; returns the stored (redacted) result."""
+        self.check()
+        async with self._lock:
+            try:
+                done = await self._client.complete(
+                    self._namespace, self._key, self._token(), result
+                )
+            except LeaseLost as error:
+                lost: LeaseLost | None = error
+            else:
+                lost = None
+                self._ended = True
+                self.completion, self.completed, self.result = done, True, done.result
+        if lost is not None:
+            await self._lost(lost)
+            raise lost
+        if self.renewer is not None:
+            await self.renewer.stop()
+        return self.result
+
+    async def release(self) -> None:
+        """Release the lease now, before the block ends (``LeaseLost`` if it was lost)."""
+        self.check()
+        if self.renewer is not None:
+            await self.renewer.stop()
+        async with self._lock:
+            self._ended = True
+            await self._client.release(self._namespace, self._key, self._token())
+
+    def _token(self) -> str:
+        if self.grant is None:  # pragma: no cover - guarded by the callers
+            raise RuntimeError("the lease has not been acquired")
+        return self.grant.owner_token
+
+    async def _renew_for_worker(self, request_seconds: float) -> int | None:
+        async with self._lock:
+            if self._ended or self.lost.is_set():
+                return None
+            self.grant = await self._client._renew(
+                self._namespace, self._key, self._token(), self._ttl, request_seconds
+            )
+            return self.grant.ttl_seconds
+
+    def _set_lost(self, error: LeaseLost) -> bool:
+        if self.lost.is_set() or self._ended:
+            return False
+        self.lost_error = error
+        self.lost.set()
+        fence = self.grant.fencing_token if self.grant else 0
+        log.warning("lease lost (fencing token %d): %s", fence, error.error)
+        return True
+
+    async def _lost(self, error: LeaseLost) -> None:
+        """Ownership ended without us: set ``lost``, log a WARNING, call ``on_lost`` once."""
+        if self._set_lost(error):
+            await self._call_on_lost(error)
+
+    async def _call_on_lost(self, error: LeaseLost) -> None:
+        if self._on_lost is None:
+            return
+        try:
+            outcome = self._on_lost(error)
+            if inspect.isawaitable(outcome):
+                await outcome
+        except Exception:
+            log.exception("the on_lost callback failed")

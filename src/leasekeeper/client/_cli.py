@@ -1,0 +1,652 @@
+"""The client commands of ``leasekeeper``: namespace, acquire, renew, release, complete, run.
+
+A thin layer over ``LeaseClient``: parse options, call the client, print the
+service's JSON body on stdout, and exit with a code that tells outcomes apart:
+
+====  ===========  ===============================================================
+code  meaning      when
+====  ===========  ===============================================================
+0     ok           done; for ``acquire``: you hold the lease now
+1     error        an internal error or an unexpected response
+2     usage        bad options (missing secret, unreadable file, bad JSON)
+10    held         another owner holds the lease (after ``--wait``, if given)
+11    lost         you are not (or no longer) the owner; ``run``: the child was stopped
+12    conflict     the key is bound to another fingerprint
+13    invalid      the service refused the request as invalid or too large
+14    unavailable  the service is unreachable, unavailable or rate limiting: retry
+15    completed    ``acquire``: the key's work is already done; the JSON has the result
+127   not started  ``run``: the command could not be started
+====  ===========  ===============================================================
+
+``run`` exits with its command's status when the command ran (128 + N when a
+signal N ended it), with the stored status when a completed run is reused, and
+with the codes above for its own outcomes.
+
+Secrets never go on the command line, where ``ps`` would show them: the namespace
+and owner token come from environment variables (``LEASEKEEPER_NAMESPACE``,
+``LEASEKEEPER_OWNER_TOKEN`` by default, or ``--namespace-env NAME``) or files
+(``--namespace-file PATH``, ``-`` for stdin). A file may hold the bare value or
+the JSON that ``leasekeeper namespace`` / ``leasekeeper acquire`` printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any, NoReturn, TypeVar
+
+import click
+import orjson
+
+from leasekeeper._errors import (
+    FingerprintConflict,
+    LeaseError,
+    LeaseHeld,
+    LeaseLost,
+    RateLimited,
+    RequestError,
+    ServiceUnavailable,
+)
+from leasekeeper.client._http import DEFAULT_TIMEOUT, DEFAULT_URL
+from leasekeeper.client._results import Completed
+from leasekeeper.client._sync import HeldLease, LeaseClient
+
+__all__ = [
+    "CLIENT_COMMANDS",
+    "EXIT_COMPLETED",
+    "EXIT_CONFLICT",
+    "EXIT_ERROR",
+    "EXIT_HELD",
+    "EXIT_INVALID",
+    "EXIT_LOST",
+    "EXIT_UNAVAILABLE",
+    "CliEnvironment",
+    "exit_code",
+]
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_HELD = 10
+EXIT_LOST = 11
+EXIT_CONFLICT = 12
+EXIT_INVALID = 13
+EXIT_UNAVAILABLE = 14
+EXIT_COMPLETED = 15
+#: ``run`` could not start the command (the shell's code for "not found").
+EXIT_NOT_STARTED = 127
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def exit_code(error: LeaseError) -> int:
+    """The exit code for ``error`` (see the module's table)."""
+    if isinstance(error, LeaseHeld):
+        return EXIT_HELD
+    if isinstance(error, LeaseLost):
+        return EXIT_LOST
+    if isinstance(error, FingerprintConflict):
+        return EXIT_CONFLICT
+    if isinstance(error, RateLimited | ServiceUnavailable):
+        return EXIT_UNAVAILABLE
+    if isinstance(error, RequestError):
+        return EXIT_INVALID
+    return EXIT_ERROR
+
+
+def _default_client(url: str, timeout: float) -> LeaseClient:
+    return LeaseClient(url, timeout=timeout)
+
+
+def _stderr_is_terminal() -> bool:
+    return sys.stderr.isatty()
+
+
+@dataclass(frozen=True)
+class CliEnvironment:
+    """What the client commands take from outside; tests pass their own as ``obj``."""
+
+    environ: Mapping[str, str] = field(default_factory=lambda: os.environ)
+    make_client: Callable[[str, float], LeaseClient] = _default_client
+    stderr_is_terminal: Callable[[], bool] = _stderr_is_terminal
+
+
+class _StderrHandler(logging.Handler):
+    """Client warnings as ``leasekeeper: ...`` on the current stderr (click's, in tests)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"leasekeeper: {record.getMessage()}", err=True)
+
+
+def _log_warnings() -> None:
+    """Send the client's WARNINGs to stderr, once per process."""
+    logger = logging.getLogger("leasekeeper.client")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler(logging.WARNING)
+        logger.addHandler(handler)
+
+
+def _env() -> CliEnvironment:
+    found = click.get_current_context().find_object(CliEnvironment)
+    return found if found is not None else CliEnvironment()
+
+
+def _print_json(body: Mapping[str, Any], *, err: bool = False) -> None:
+    click.echo(orjson.dumps(body).decode(), err=err)
+
+
+def _fail(error: LeaseError, *, err: bool = False) -> NoReturn:
+    _print_json(error.body(), err=err)
+    sys.exit(exit_code(error))
+
+
+# -- options ------------------------------------------------------------------------------------
+
+
+def _connection_options(function: F) -> F:
+    function = click.option(
+        "--timeout",
+        type=click.FloatRange(min=0.1),
+        default=DEFAULT_TIMEOUT,
+        show_default=True,
+        help="Seconds for one HTTP request.",
+    )(function)
+    return click.option(
+        "--url",
+        default=None,
+        metavar="URL",
+        help=f"Service URL [LEASEKEEPER_URL, {DEFAULT_URL}].",
+    )(function)
+
+
+def _secret_options(name: str, *, plain: bool, default_env: str | None, what: str) -> Any:
+    """``--NAME-env`` and ``--NAME-file`` (and ``--NAME`` itself when not a secret)."""
+
+    def decorate(function: F) -> F:
+        function = click.option(
+            f"--{name}-file",
+            type=click.Path(dir_okay=False, allow_dash=True),
+            default=None,
+            help=f"Read {what} from this file (- for stdin).",
+        )(function)
+        env_help = f"Read {what} from this environment variable" + (
+            f" [default: {default_env}]." if default_env else "."
+        )
+        function = click.option(f"--{name}-env", metavar="NAME", default=None, help=env_help)(
+            function
+        )
+        if plain:
+            function = click.option(
+                f"--{name}", default=None, help=f"{what[0].upper()}{what[1:]}."
+            )(function)
+        return function
+
+    return decorate
+
+
+def _namespace_options(function: F) -> F:
+    decorate = _secret_options(
+        "namespace", plain=False, default_env="LEASEKEEPER_NAMESPACE", what="the namespace"
+    )
+    return decorate(function)  # type: ignore[no-any-return]
+
+
+def _key_options(function: F) -> F:
+    function = _secret_options("key", plain=True, default_env=None, what="the key")(function)
+    return _namespace_options(function)
+
+
+def _fingerprint_options(function: F) -> F:
+    decorate = _secret_options("fingerprint", plain=True, default_env=None, what="the fingerprint")
+    return decorate(function)  # type: ignore[no-any-return]
+
+
+def _owner_token_options(function: F) -> F:
+    decorate = _secret_options(
+        "owner-token",
+        plain=False,
+        default_env="LEASEKEEPER_OWNER_TOKEN",
+        what="the owner token",
+    )
+    return decorate(function)  # type: ignore[no-any-return]
+
+
+def _read_file(path: str, option: str) -> str:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise click.UsageError(
+            f"{option}: cannot read the file ({exc.__class__.__name__})"
+        ) from None
+    return text.strip()
+
+
+def _secret(
+    name: str,
+    options: Mapping[str, Any],
+    environ: Mapping[str, str],
+    *,
+    json_field: str | None = None,
+    default_env: str | None = None,
+    required: bool,
+) -> str | None:
+    """One value from ``--NAME``, ``--NAME-env`` or ``--NAME-file`` (at most one given)."""
+    plain = options.get(name.replace("-", "_"))
+    env_name = options.get(f"{name.replace('-', '_')}_env")
+    path = options.get(f"{name.replace('-', '_')}_file")
+    given = [v for v in (plain, env_name, path) if v is not None]
+    if len(given) > 1:
+        raise click.UsageError(f"give the {name} one way only (--{name}, -env or -file)")
+    if plain is not None:
+        return str(plain)
+    if env_name is not None:
+        value = environ.get(env_name, "")
+        if not value:
+            raise click.UsageError(f"--{name}-env: the environment variable {env_name} is empty")
+        return value
+    if path is not None:
+        value = _read_file(path, f"--{name}-file")
+        if json_field is not None and value.startswith("{"):
+            try:
+                value = str(orjson.loads(value).get(json_field) or "")
+            except (orjson.JSONDecodeError, AttributeError):
+                raise click.UsageError(f"--{name}-file: the file is not valid JSON") from None
+        if not value:
+            raise click.UsageError(f"--{name}-file: no {name} in the file")
+        return value
+    if default_env is not None and environ.get(default_env):
+        return environ[default_env]
+    if required:
+        ways = ([f"--{name}"] if name.replace("-", "_") in options else []) + [
+            f"--{name}-env NAME",
+            f"--{name}-file PATH",
+        ]
+        where = f", or set {default_env}" if default_env else ""
+        raise click.UsageError(f"the {name} is required: give {' or '.join(ways)}{where}")
+    return None
+
+
+@dataclass(frozen=True)
+class _Target:
+    """The namespace, key and (optionally) fingerprint of a command, and its client."""
+
+    client: LeaseClient
+    namespace: str | None
+    key: str
+    fingerprint: str | None
+    environ: Mapping[str, str]
+
+
+def _target(options: Mapping[str, Any], *, with_fingerprint: bool = False) -> _Target:
+    _log_warnings()
+    env = _env()
+    environ = env.environ
+    url = options.get("url") or environ.get("LEASEKEEPER_URL") or DEFAULT_URL
+    namespace = _secret(
+        "namespace",
+        options,
+        environ,
+        json_field="namespace",
+        default_env="LEASEKEEPER_NAMESPACE",
+        required=False,
+    )
+    key = _secret("key", options, environ, required=True)
+    fingerprint = (
+        _secret("fingerprint", options, environ, required=False) if with_fingerprint else None
+    )
+    client = env.make_client(url, float(options["timeout"]))
+    return _Target(client, namespace, str(key), fingerprint, environ)
+
+
+def _owner_token(options: Mapping[str, Any], environ: Mapping[str, str]) -> str:
+    token = _secret(
+        "owner-token",
+        options,
+        environ,
+        json_field="owner_token",
+        default_env="LEASEKEEPER_OWNER_TOKEN",
+        required=True,
+    )
+    return str(token)
+
+
+class _Progress:
+    """Progress lines on stderr, only when it is a terminal (or ``--progress``)."""
+
+    def __init__(self, enabled: bool | None, wait: float) -> None:
+        self.enabled = _env().stderr_is_terminal() if enabled is None else enabled
+        self.wait = wait
+        self.started = time.monotonic()
+
+    def say(self, message: str) -> None:
+        if self.enabled:
+            click.echo(f"leasekeeper: {message}", err=True)
+
+    def waiting(self, error: LeaseError, delay: float) -> None:
+        waited = time.monotonic() - self.started
+        if isinstance(error, LeaseHeld):
+            why = f"the lease is held by another owner (fencing token {error.fencing_token})"
+        else:
+            why = f"the service answered {error.status}"
+        limit = "no limit" if self.wait == float("inf") else f"{self.wait:.0f} s"
+        self.say(f"{why}; trying again in {delay:.1f} s (waited {waited:.0f} s of {limit})")
+
+
+def _progress_option(function: F) -> F:
+    return click.option(
+        "--progress/--no-progress",
+        default=None,
+        help="Progress on stderr [default: when stderr is a terminal].",
+    )(function)
+
+
+# -- commands -----------------------------------------------------------------------------------
+
+
+@click.command("namespace")
+@_connection_options
+def namespace_command(**options: Any) -> None:
+    """Mint a namespace and print it as JSON: a secret; store it with care (umask 077)."""
+    env = _env()
+    url = options.get("url") or env.environ.get("LEASEKEEPER_URL") or DEFAULT_URL
+    with env.make_client(url, float(options["timeout"])) as client:
+        try:
+            namespace = client.create_namespace()
+        except LeaseError as error:
+            _fail(error)
+    _print_json({"ok": True, "namespace": namespace})
+
+
+@click.command("acquire")
+@_connection_options
+@_key_options
+@_fingerprint_options
+@click.option("--ttl", type=click.IntRange(1, 86_400), default=None, help="Lease seconds [60].")
+@click.option(
+    "--wait",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Seconds to wait while the key is held (inf: for ever) [0].",
+)
+@_progress_option
+def acquire_command(**options: Any) -> None:
+    """Acquire a lease; prints the owner token (exit 0), or the stored result (exit 15)."""
+    target = _target(options, with_fingerprint=True)
+    progress = _Progress(options["progress"], options["wait"])
+    with target.client as client:
+        try:
+            outcome = client.acquire(
+                target.namespace,
+                target.key,
+                ttl=options["ttl"],
+                fingerprint=target.fingerprint,
+                wait=options["wait"],
+                on_wait=progress.waiting,
+            )
+        except LeaseError as error:
+            _fail(error)
+    _print_json(outcome.body)
+    if isinstance(outcome, Completed):
+        sys.exit(EXIT_COMPLETED)
+
+
+@click.command("renew")
+@_connection_options
+@_key_options
+@_owner_token_options
+@click.option("--ttl", type=click.IntRange(1, 86_400), default=None, help="Lease seconds [60].")
+def renew_command(**options: Any) -> None:
+    """Move the lease's expiry (owner token from LEASEKEEPER_OWNER_TOKEN or a file)."""
+    target = _target(options)
+    token = _owner_token(options, target.environ)
+    with target.client as client:
+        try:
+            lease = client.renew(target.namespace, target.key, token, ttl=options["ttl"])
+        except LeaseError as error:
+            _fail(error)
+    _print_json(lease.body)
+
+
+@click.command("release")
+@_connection_options
+@_key_options
+@_owner_token_options
+def release_command(**options: Any) -> None:
+    """End ownership now; the key can be acquired at once."""
+    target = _target(options)
+    token = _owner_token(options, target.environ)
+    with target.client as client:
+        try:
+            released = client.release(target.namespace, target.key, token)
+        except LeaseError as error:
+            _fail(error)
+    _print_json(released.body)
+
+
+@click.command("complete")
+@_connection_options
+@_key_options
+@_owner_token_options
+@click.option("--result", "result_json", default=None, help="The result as JSON text.")
+@click.option(
+    "--result-file",
+    type=click.Path(dir_okay=False, allow_dash=True),
+    default=None,
+    help="Read the JSON result from this file (- for stdin).",
+)
+def complete_command(**options: Any) -> None:
+    """Store a JSON result and end ownership for good."""
+    text, path = options["result_json"], options["result_file"]
+    if (text is None) == (path is None):
+        raise click.UsageError("give the result with --result JSON or --result-file PATH")
+    if path is not None:
+        text = _read_file(path, "--result-file")
+    try:
+        result = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        raise click.UsageError("the result is not valid JSON") from None
+    target = _target(options)
+    token = _owner_token(options, target.environ)
+    with target.client as client:
+        try:
+            done = client.complete(target.namespace, target.key, token, result)
+        except LeaseError as error:
+            _fail(error)
+    _print_json(done.body)
+
+
+# -- run ----------------------------------------------------------------------------------------
+
+
+def _shell_status(returncode: int) -> int:
+    """A Popen return code as a shell reports it: 128 + N for a signal N."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signum)
+
+
+@contextlib.contextmanager
+def _forward_signals(process: subprocess.Popen[bytes], received: list[int]) -> Iterator[None]:
+    """Pass SIGINT, SIGTERM and SIGHUP on to the command's process group while it runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        _signal_group(process, signum)
+
+    previous = {
+        signum: signal.signal(signum, forward)
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _stop(process: subprocess.Popen[bytes], grace: float) -> str:
+    """SIGTERM the command's group, then SIGKILL after ``grace`` seconds; how it ended."""
+    _signal_group(process, signal.SIGTERM)
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        _signal_group(process, signal.SIGKILL)
+        process.wait()
+        return "killed with SIGKILL after the grace period"
+    return "stopped with SIGTERM"
+
+
+def _stored_status(result: Any) -> int:
+    if isinstance(result, dict):
+        code = result.get("exit_code")
+        if isinstance(code, int) and not isinstance(code, bool) and 0 <= code <= 255:
+            return code
+    return EXIT_OK
+
+
+@click.command(
+    "run",
+    context_settings={"allow_interspersed_args": False},
+)
+@_connection_options
+@_key_options
+@_fingerprint_options
+@click.option(
+    "--ttl", type=click.IntRange(1, 86_400), default=30, show_default=True, help="Lease seconds."
+)
+@click.option(
+    "--wait",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    help="Seconds to wait while the key is held (inf: for ever) [0].",
+)
+@click.option(
+    "--complete",
+    "record",
+    is_flag=True,
+    help="Record the exit status, so later runs with this key and fingerprint are skipped.",
+)
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=10.0,
+    show_default=True,
+    help="Seconds between SIGTERM and SIGKILL when the lease is lost.",
+)
+@_progress_option
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def run_command(command: tuple[str, ...], **options: Any) -> None:
+    """Run COMMAND while holding the lease on the key, renewing it.
+
+    The command gets LEASEKEEPER_FENCING_TOKEN in its environment and runs in its
+    own process group. If the lease is lost, the group gets SIGTERM, then SIGKILL
+    after --grace seconds, and run exits 11. With --complete the exit status is
+    stored as {"exit_code": N}; a later run with the same key and fingerprint does
+    not run the command, prints the stored result on stdout and exits with that
+    status. SIGINT, SIGTERM and SIGHUP are passed on to the command; a command
+    ended that way is not recorded.
+
+    \b
+    leasekeeper run --key nightly-report --wait 600 --complete -- ./report.sh
+    """
+    target = _target(options, with_fingerprint=True)
+    progress = _Progress(options["progress"], options["wait"])
+    wake = threading.Event()
+    with target.client as client:
+        held = client.lease(
+            target.namespace,
+            target.key,
+            ttl=options["ttl"],
+            fingerprint=target.fingerprint,
+            wait=options["wait"],
+            on_lost=lambda error: wake.set(),
+            on_wait=progress.waiting,
+        )
+        try:
+            held.__enter__()
+        except LeaseError as error:
+            _fail(error, err=True)
+        try:
+            code = _run_held(held, command, options, target.environ, wake, progress)
+        finally:
+            held.__exit__(None, None, None)
+    sys.exit(code)
+
+
+def _run_held(
+    held: HeldLease,
+    command: tuple[str, ...],
+    options: Mapping[str, Any],
+    environ: Mapping[str, str],
+    wake: threading.Event,
+    progress: _Progress,
+) -> int:
+    """Run the command under ``held``; the exit code for leasekeeper."""
+    if held.completion is not None:
+        stored = _stored_status(held.result)
+        progress.say(f"already completed (exit code {stored}); not running the command")
+        _print_json({**held.completion.body, "skipped": True})
+        return stored
+    fence = held.fencing_token
+    progress.say(f"lease acquired (fencing token {fence}); running the command")
+    child_env = {**environ, "LEASEKEEPER_FENCING_TOKEN": str(fence)}
+    try:
+        process = subprocess.Popen(command, env=child_env, process_group=0)  # noqa: S603
+    except OSError as exc:
+        error = {"ok": False, "status": "error", "error": f"cannot run the command: {exc.strerror}"}
+        _print_json(error, err=True)
+        return EXIT_NOT_STARTED
+    received: list[int] = []
+
+    def watch() -> None:
+        process.wait()
+        wake.set()
+
+    threading.Thread(target=watch, name="leasekeeper-run-watch", daemon=True).start()
+    with _forward_signals(process, received):
+        wake.wait()
+        if held.lost.is_set() and process.poll() is None:
+            how = _stop(process, options["grace"])
+            lost = held.lost_error.error if held.lost_error else "the lease was lost"
+            _print_json({"ok": False, "status": "lost", "error": lost, "command": how}, err=True)
+            return EXIT_LOST
+        process.wait()
+    status = _shell_status(process.returncode)
+    if held.lost.is_set():
+        lost = held.lost_error.error if held.lost_error else "the lease was lost"
+        _print_json({"ok": False, "status": "lost", "error": lost, "exit_code": status}, err=True)
+        return EXIT_LOST
+    if options["record"] and not received:
+        try:
+            held.complete({"exit_code": status})
+        except LeaseError as error:
+            _print_json(error.body(), err=True)
+            return exit_code(error)
+        progress.say(f"recorded exit code {status}")
+    return status
+
+
+#: The commands ``leasekeeper.cli`` adds to ``main``.
+CLIENT_COMMANDS = [
+    namespace_command,
+    acquire_command,
+    renew_command,
+    release_command,
+    complete_command,
+    run_command,
+]

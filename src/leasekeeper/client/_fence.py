@@ -1,0 +1,135 @@
+"""``FenceGuard``: the protected system's half of fencing, kept in the caller's own database.
+
+A lease alone cannot stop a paused worker that wakes after its ownership ended
+(the spec's "Use the fencing token"). The system it writes to must remember the
+highest fencing token per resource and refuse older ones. ``FenceGuard`` does
+that with one statement, run in the *same transaction* as the write it guards::
+
+    CREATE TABLE IF NOT EXISTS leasekeeper_fences (
+        resource TEXT PRIMARY KEY,
+        fence    BIGINT NOT NULL
+    );
+
+    INSERT INTO leasekeeper_fences (resource, fence) VALUES (:resource, :fence)
+    ON CONFLICT (resource) DO UPDATE SET fence = excluded.fence
+        WHERE leasekeeper_fences.fence <= excluded.fence
+    RETURNING fence;
+
+A row back means the token is the newest seen (or the same: one owner writing
+again) and is now recorded; no row means a newer owner has written, so the
+guard raises ``StaleFence`` and the caller's transaction must roll back.
+
+Why this is atomic: in PostgreSQL the upsert locks the resource's row until the
+transaction ends, so two writers of one resource take turns, and the second one's
+``WHERE`` is checked against the first one's committed fence (READ COMMITTED; at
+REPEATABLE READ or SERIALIZABLE the second gets a serialization error instead).
+In SQLite the statement takes the database's write lock, held until commit.
+Either way, once a write with fence 185 has committed, no write with fence 184
+can commit after it::
+
+    worker A (fence 184)         worker B (fence 185)
+    pauses ...                   BEGIN; upsert 185 -> row; write; COMMIT
+    BEGIN; upsert 184 -> no row: StaleFence; ROLLBACK
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from typing import TYPE_CHECKING, Any
+
+from leasekeeper._errors import StaleFence
+
+if TYPE_CHECKING:
+    import psycopg
+
+__all__ = ["FenceGuard"]
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
+_MAX_FENCE = 2**63 - 1
+
+
+class FenceGuard:
+    """Keeps the highest fencing token per resource in a SQLite or PostgreSQL database.
+
+    ``connection`` is a ``sqlite3.Connection`` or a ``psycopg.Connection``;
+    ``table`` an identifier, optionally schema-qualified (``app.fences``). The
+    guard never commits or rolls back: the transaction is the caller's, so the
+    fence check and the guarded write succeed or fail together::
+
+        guard = FenceGuard(conn)
+        with conn:                                   # sqlite3: one transaction
+            guard.check("invoice:42", lease.fencing_token)   # StaleFence if older
+            conn.execute("UPDATE invoices SET ... WHERE id = 42")
+    """
+
+    def __init__(
+        self,
+        connection: sqlite3.Connection | psycopg.Connection[Any],
+        *,
+        table: str = "leasekeeper_fences",
+    ) -> None:
+        if not _IDENTIFIER.match(table):
+            raise ValueError("table must be an SQL identifier, optionally schema.table")
+        self.connection = connection
+        self.table = table
+        self._sqlite = isinstance(connection, sqlite3.Connection)
+        mark = "?" if self._sqlite else "%s"
+        self.create_sql = (
+            f"CREATE TABLE IF NOT EXISTS {table} (resource TEXT PRIMARY KEY, fence BIGINT NOT NULL)"
+        )
+        self.check_sql = (
+            f"INSERT INTO {table} (resource, fence) VALUES ({mark}, {mark}) "  # noqa: S608 - table is a checked identifier
+            "ON CONFLICT (resource) DO UPDATE SET fence = excluded.fence "
+            f"WHERE {table}.fence <= excluded.fence "
+            "RETURNING fence"
+        )
+        self.current_sql = f"SELECT fence FROM {table} WHERE resource = {mark}"  # noqa: S608
+
+    def create_table(self) -> None:
+        """Create the fences table if it is missing (commit afterwards if your driver needs it)."""
+        self.connection.execute(self.create_sql)
+
+    def check(self, resource: str, fencing_token: int) -> None:
+        """Record ``fencing_token`` for ``resource``, or raise ``StaleFence`` if a newer one exists.
+
+        Call it inside the transaction of the write it guards, before the write.
+        Raises ``RuntimeError`` when the connection is not in a transaction after
+        the statement (sqlite3 with ``isolation_level=None`` and no ``BEGIN``,
+        psycopg in autocommit outside ``conn.transaction()``): the fence would be
+        recorded apart from the write, and the write unguarded.
+        """
+        if not isinstance(resource, str) or not resource:
+            raise ValueError("resource must be a non-empty string")
+        if (
+            not isinstance(fencing_token, int)
+            or isinstance(fencing_token, bool)
+            or not 0 < fencing_token <= _MAX_FENCE
+        ):
+            raise ValueError("fencing_token must be a positive integer below 2**63")
+        row = self.connection.execute(self.check_sql, (resource, fencing_token)).fetchone()
+        if not self._in_transaction():
+            raise RuntimeError(
+                "FenceGuard.check ran outside a transaction: run it and the guarded write "
+                "in one transaction (sqlite3: `with conn:`; psycopg: `with conn.transaction():`)"
+            )
+        if row is None:
+            current = self.current(resource)
+            raise StaleFence(
+                resource=resource,
+                fencing_token=fencing_token,
+                current_fence=current if current is not None else fencing_token,
+            )
+
+    def current(self, resource: str) -> int | None:
+        """The highest fencing token recorded for ``resource``, or None."""
+        row = self.connection.execute(self.current_sql, (resource,)).fetchone()
+        return None if row is None else int(row[0])
+
+    def _in_transaction(self) -> bool:
+        connection = self.connection
+        if isinstance(connection, sqlite3.Connection):
+            return connection.in_transaction
+        from psycopg import pq
+
+        return connection.info.transaction_status == pq.TransactionStatus.INTRANS

@@ -1,0 +1,81 @@
+"""What the sync and async clients share: URLs, request bodies and reading a response.
+
+Every response goes through ``read_response``: a 2xx JSON object with ``ok`` is
+returned, anything else becomes an exception of the one tree through
+``leasekeeper._errors.error_from_body``, and a transport failure becomes
+``ServiceUnreachable`` (``unreachable``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import orjson
+
+from leasekeeper._errors import LeaseError, ServiceUnreachable, error_from_body
+
+__all__ = [
+    "BASE_PATH",
+    "DEFAULT_TIMEOUT",
+    "DEFAULT_URL",
+    "HEADERS",
+    "api_root",
+    "encode",
+    "lease_body",
+    "read_response",
+    "unreachable",
+]
+
+BASE_PATH = "/services/v1"
+DEFAULT_URL = "http://127.0.0.1:8787"
+#: Seconds for one request; a renewal uses less when the lease expires sooner.
+DEFAULT_TIMEOUT = 10.0
+HEADERS = {"content-type": "application/json", "accept": "application/json"}
+
+#: Absent a value, these fields are left out of the body (the service's defaults apply).
+_OPTIONAL = ("namespace", "ttl_seconds", "fingerprint")
+
+
+def api_root(base_url: str) -> str:
+    """The API root for a server URL given with or without ``/services/v1``."""
+    url = base_url.rstrip("/")
+    return url if url.endswith(BASE_PATH) else url + BASE_PATH
+
+
+def lease_body(**fields: Any) -> dict[str, Any]:
+    """A request body; ``namespace``, ``ttl_seconds`` and ``fingerprint`` left out when None."""
+    return {k: v for k, v in fields.items() if not (k in _OPTIONAL and v is None)}
+
+
+def encode(body: dict[str, Any]) -> bytes:
+    """Compact UTF-8 JSON; raises ``TypeError`` for values JSON cannot hold."""
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError as exc:
+        raise TypeError(f"The request body is not JSON-serializable: {exc}") from None
+
+
+def _retry_after(response: httpx.Response) -> int | None:
+    value = response.headers.get("retry-after", "").strip()
+    # Only delta-seconds; the service never sends an HTTP date.
+    return int(value) if value.isdigit() else None
+
+
+def read_response(response: httpx.Response) -> dict[str, Any]:
+    """The body of a successful response, or raise the error the response describes."""
+    try:
+        parsed = orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        parsed = None
+    body: dict[str, Any] | None = parsed if isinstance(parsed, dict) else None
+    if response.is_success and body is not None and body.get("ok") is True:
+        return body
+    raise error_from_body(
+        body, http_status=response.status_code, retry_after=_retry_after(response)
+    )
+
+
+def unreachable(exc: httpx.TransportError) -> LeaseError:
+    """The error for a request that got no answer (the URL stays out of the message)."""
+    return ServiceUnreachable(f"Could not reach the lease service ({type(exc).__name__})")

@@ -1,0 +1,361 @@
+"""Background renewal: one explicit worker per held lease, sync (a thread) and async (a task).
+
+A worker turn waits on a stop event *with a timeout* (never ``sleep``), so
+stopping it takes effect at once; then it renews, and reschedules from the
+``RenewalPlan``. It holds the lease weakly: a lease object nobody holds any more
+is not renewed for ever by a forgotten worker. Every way renewal can end badly
+reaches the lease's ``_lost`` (which sets ``lease.lost``, logs a WARNING and calls
+``on_lost``); a worker never dies silently::
+
+    renew ok ──────────> next turn at sent_at + ttl/3
+    lost (409) ────────> lease lost, worker ends
+    unavailable/429/5xx > retry soon; past the local expiry: lease lost
+    granted < asked ───> lifecycle end: no more renewals; lost at the expiry
+    stop() ────────────> worker ends, touches the lease no more
+
+Clock, events and the thread or task factory are injected, so tests drive the
+worker turn by turn (``step()``) on a fake clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
+
+from leasekeeper._errors import LeaseError, LeaseLost, RateLimited, ServerError
+from leasekeeper.client._timing import MIN_RETRY_SECONDS, RenewalPlan
+
+__all__ = [
+    "AsyncRenewalWorker",
+    "AsyncSignal",
+    "AsyncWaiter",
+    "RenewalWorker",
+    "TaskFactory",
+    "ThreadFactory",
+    "ThreadLike",
+    "Waiter",
+]
+
+log = logging.getLogger("leasekeeper.client")
+
+
+class Waiter(Protocol):
+    """What the sync worker waits on: ``threading.Event``'s shape."""
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+    def set(self) -> None: ...
+    def is_set(self) -> bool: ...
+
+
+class ThreadLike(Protocol):
+    def start(self) -> None: ...
+    def join(self, timeout: float | None = None) -> None: ...
+    def is_alive(self) -> bool: ...
+
+
+class ThreadFactory(Protocol):
+    """``threading.Thread``'s constructor, as far as the worker uses it."""
+
+    def __call__(self, *, target: Callable[[], object], name: str, daemon: bool) -> ThreadLike: ...
+
+
+class AsyncWaiter(Protocol):
+    """What the async worker waits on; ``AsyncSignal`` is the real one."""
+
+    async def wait(self, seconds: float | None = None) -> bool: ...
+    def set(self) -> None: ...
+    def is_set(self) -> bool: ...
+
+
+TaskFactory = Callable[[Coroutine[Any, Any, None]], "asyncio.Future[None] | None"]
+
+
+class AsyncSignal:
+    """An ``asyncio.Event`` whose ``wait`` takes a timeout and says whether it was set."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    async def wait(self, seconds: float | None = None) -> bool:
+        """Wait until set or ``seconds`` pass; whether it was set."""
+        if self._event.is_set():
+            return True
+        try:
+            async with asyncio.timeout(seconds):
+                await self._event.wait()
+        except TimeoutError:
+            return self._event.is_set()
+        return True
+
+
+class _SyncLease(Protocol):
+    def _renew_for_worker(self, request_seconds: float) -> int | None: ...
+    def _lost(self, error: LeaseLost) -> None: ...
+
+
+class _AsyncLease(Protocol):
+    async def _renew_for_worker(self, request_seconds: float) -> int | None: ...
+    async def _lost(self, error: LeaseLost) -> None: ...
+
+
+def _expired(plan: RenewalPlan) -> LeaseLost:
+    if plan.final:
+        return LeaseLost(
+            "The lease reached the end of its key's lifecycle (absolute_expires_at) "
+            "and cannot be renewed any further"
+        )
+    return LeaseLost(
+        f"The lease expired before a renewal succeeded ({plan.failures} failed attempts)"
+    )
+
+
+def _refused(error: LeaseError) -> LeaseLost:
+    return LeaseLost(
+        f"Lease renewal was refused ({error.status}: {error.error}); "
+        "ownership can no longer be assured"
+    )
+
+
+def _log_late(plan: RenewalPlan, now: float) -> None:
+    late = now - plan.next_at
+    if late > plan.late_after:
+        log.warning(
+            "lease renewal is %.1f s late (was the process paused or overloaded?); "
+            "%.1f s of the lease were left",
+            late,
+            plan.expires_at - now,
+        )
+
+
+def _log_retry(plan: RenewalPlan, error: LeaseError, now: float) -> None:
+    log.warning(
+        "lease renewal failed (%s: %s); retrying in %.1f s, the lease expires in %.1f s",
+        error.status,
+        error.error,
+        plan.next_at - now,
+        plan.expires_at - now,
+    )
+
+
+def _log_final(plan: RenewalPlan, now: float) -> None:
+    if plan.final:
+        log.warning(
+            "the lease reached the end of its key's lifecycle: it ends in %.1f s "
+            "and cannot be renewed",
+            plan.expires_at - now,
+        )
+
+
+class RenewalWorker:
+    """Renews one lease from a thread until it is stopped, the lease is lost, or gone.
+
+    ``step()`` is one turn; ``run()`` (the thread's target) repeats it. The lease
+    is held through a weak reference; ``stop()`` sets the stop event and joins the
+    thread, after which the worker no longer acts on the lease, even if a request
+    was still in flight.
+    """
+
+    def __init__(
+        self,
+        lease: _SyncLease,
+        plan: RenewalPlan,
+        *,
+        monotonic: Callable[[], float],
+        event_factory: Callable[[], Waiter],
+        thread_factory: ThreadFactory,
+        request_timeout: float,
+    ) -> None:
+        self.plan = plan
+        self.renewals = 0
+        self._lease = weakref.ref(lease)
+        self._monotonic = monotonic
+        self._stop = event_factory()
+        self._request_timeout = request_timeout
+        self._thread = thread_factory(target=self.run, name="leasekeeper-renewal", daemon=True)
+        self._started = False
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def start(self) -> None:
+        self._started = True
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End renewal now; waits for a renewal in flight (up to the request timeout)."""
+        self._stop.set()
+        if not self._started or self._thread is threading.current_thread():
+            return
+        limit = self._request_timeout + 1.0
+        self._thread.join(limit)
+        if self._thread.is_alive():
+            log.warning(
+                "the lease renewal thread did not stop within %.1f s; "
+                "it will not act on the lease any more",
+                limit,
+            )
+
+    def run(self) -> None:
+        """Turn after turn until done; an unexpected error marks the lease lost, loudly."""
+        try:
+            while self.step():
+                pass
+        except Exception:
+            log.exception("the lease renewal worker failed")
+            lease = self._lease()
+            if lease is not None and not self.stopped:
+                lease._lost(
+                    LeaseLost(
+                        "Lease renewal stopped on an unexpected error; "
+                        "ownership can no longer be assured"
+                    )
+                )
+
+    def step(self) -> bool:
+        """Wait until the next renewal is due, then renew; False when the worker is done."""
+        if self._stop.wait(self.plan.wait_seconds(self._monotonic())):
+            return False
+        lease = self._lease()
+        if lease is None:
+            log.debug("the lease object is gone; renewal stops")
+            return False
+        return self._turn(lease)
+
+    def _turn(self, lease: _SyncLease) -> bool:
+        plan, now = self.plan, self._monotonic()
+        if plan.expired(now):
+            lease._lost(_expired(plan))
+            return False
+        _log_late(plan, now)
+        timeout = min(self._request_timeout, max(plan.expires_at - now, MIN_RETRY_SECONDS))
+        try:
+            granted = lease._renew_for_worker(timeout)
+        except LeaseLost as error:
+            if not self.stopped:
+                lease._lost(error)
+            return False
+        except (ServerError, RateLimited) as error:
+            if self.stopped:
+                return False
+            later = self._monotonic()
+            plan.failed(later, error.retry_after or 1)
+            _log_retry(plan, error, later)
+            return True
+        except LeaseError as error:
+            if not self.stopped:
+                lease._lost(_refused(error))
+            return False
+        if granted is None or self.stopped:
+            return False
+        plan.renewed(granted, now)
+        self.renewals += 1
+        _log_final(plan, now)
+        return True
+
+
+class AsyncRenewalWorker:
+    """The asyncio mirror of ``RenewalWorker``: one task, stopped by cancellation."""
+
+    def __init__(
+        self,
+        lease: _AsyncLease,
+        plan: RenewalPlan,
+        *,
+        monotonic: Callable[[], float],
+        signal_factory: Callable[[], AsyncWaiter],
+        task_factory: TaskFactory,
+        request_timeout: float,
+    ) -> None:
+        self.plan = plan
+        self.renewals = 0
+        self._lease = weakref.ref(lease)
+        self._monotonic = monotonic
+        self._stop = signal_factory()
+        self._task_factory = task_factory
+        self._request_timeout = request_timeout
+        self._task: asyncio.Future[None] | None = None
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def start(self) -> None:
+        self._task = self._task_factory(self.run())
+
+    async def stop(self) -> None:
+        """End renewal now, cancelling a renewal in flight."""
+        self._stop.set()
+        task = self._task
+        if task is None or task is asyncio.current_task() or task.done():
+            return
+        task.cancel()
+        # asyncio.wait does not raise the task's CancelledError, so a cancellation
+        # of the caller itself still propagates.
+        await asyncio.wait([task])
+
+    async def run(self) -> None:
+        try:
+            while await self.step():
+                pass
+        except Exception:
+            log.exception("the lease renewal worker failed")
+            lease = self._lease()
+            if lease is not None and not self.stopped:
+                await lease._lost(
+                    LeaseLost(
+                        "Lease renewal stopped on an unexpected error; "
+                        "ownership can no longer be assured"
+                    )
+                )
+
+    async def step(self) -> bool:
+        """Wait until the next renewal is due, then renew; False when the worker is done."""
+        if await self._stop.wait(self.plan.wait_seconds(self._monotonic())):
+            return False
+        lease = self._lease()
+        if lease is None:
+            log.debug("the lease object is gone; renewal stops")
+            return False
+        return await self._turn(lease)
+
+    async def _turn(self, lease: _AsyncLease) -> bool:
+        plan, now = self.plan, self._monotonic()
+        if plan.expired(now):
+            await lease._lost(_expired(plan))
+            return False
+        _log_late(plan, now)
+        timeout = min(self._request_timeout, max(plan.expires_at - now, MIN_RETRY_SECONDS))
+        try:
+            granted = await lease._renew_for_worker(timeout)
+        except LeaseLost as error:
+            if not self.stopped:
+                await lease._lost(error)
+            return False
+        except (ServerError, RateLimited) as error:
+            if self.stopped:
+                return False
+            later = self._monotonic()
+            plan.failed(later, error.retry_after or 1)
+            _log_retry(plan, error, later)
+            return True
+        except LeaseError as error:
+            if not self.stopped:
+                await lease._lost(_refused(error))
+            return False
+        if granted is None or self.stopped:
+            return False
+        plan.renewed(granted, now)
+        self.renewals += 1
+        _log_final(plan, now)
+        return True

@@ -1,0 +1,123 @@
+"""What the client's calls return: small frozen records read from response bodies.
+
+Times come as aware UTC ``datetime`` values; the ``*_timestamp`` fields keep the
+service's integer Unix seconds. The raw JSON body is kept in ``body`` for tools
+that print it (the CLI); the owner token is left out of ``repr``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from leasekeeper._errors import InternalError
+
+__all__ = [
+    "Completed",
+    "Lease",
+    "Released",
+    "parse_acquire",
+    "parse_completed",
+    "parse_lease",
+    "parse_released",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A lease this caller holds: the answer to an acquire (201) or a renew.
+
+    ``ttl_seconds`` is the time granted, rounded down, and shorter than asked near
+    the end of the key's lifecycle. ``lease_expires_at`` is never later than the
+    real expiry.
+    """
+
+    owner_token: str = field(repr=False)
+    fencing_token: int
+    ttl_seconds: int
+    lease_expires_at: datetime
+    lease_expires_at_timestamp: int
+    absolute_expires_at: datetime
+    absolute_expires_at_timestamp: int
+    body: dict[str, Any] = field(repr=False, compare=False, hash=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    """The key's work is done: the stored (redacted) ``result``, as JSON values."""
+
+    result: Any
+    fencing_token: int
+    completed_at: datetime
+    absolute_expires_at: datetime
+    body: dict[str, Any] = field(repr=False, compare=False, hash=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    """The lease was released; the key can be acquired at once."""
+
+    fencing_token: int
+    body: dict[str, Any] = field(repr=False, compare=False, hash=False)
+
+
+def _from_timestamp(seconds: int) -> datetime:
+    return datetime.fromtimestamp(seconds, UTC)
+
+
+def _from_iso(text: str) -> datetime:
+    # The service writes YYYY-MM-DDTHH:MM:SSZ; fromisoformat reads the Z since 3.11.
+    return datetime.fromisoformat(text).astimezone(UTC)
+
+
+def _field(body: dict[str, Any], name: str, kind: type) -> Any:
+    value = body.get(name)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise InternalError(f"The service's response lacks a valid {name!r}")
+    return value
+
+
+def parse_lease(body: dict[str, Any], owner_token: str | None = None) -> Lease:
+    """A ``Lease`` from a held body; a renew body has no token, so the caller passes it."""
+    token = owner_token if owner_token is not None else _field(body, "owner_token", str)
+    lease_ts = _field(body, "lease_expires_at_timestamp", int)
+    absolute_ts = _field(body, "absolute_expires_at_timestamp", int)
+    return Lease(
+        owner_token=token,
+        fencing_token=_field(body, "fencing_token", int),
+        ttl_seconds=_field(body, "ttl_seconds", int),
+        lease_expires_at=_from_timestamp(lease_ts),
+        lease_expires_at_timestamp=lease_ts,
+        absolute_expires_at=_from_timestamp(absolute_ts),
+        absolute_expires_at_timestamp=absolute_ts,
+        body=body,
+    )
+
+
+def parse_completed(body: dict[str, Any]) -> Completed:
+    """A ``Completed`` from a completed body."""
+    if "result" not in body:
+        raise InternalError("The service's response lacks 'result'")
+    return Completed(
+        result=body["result"],
+        fencing_token=_field(body, "fencing_token", int),
+        completed_at=_from_iso(_field(body, "completed_at", str)),
+        absolute_expires_at=_from_iso(_field(body, "absolute_expires_at", str)),
+        body=body,
+    )
+
+
+def parse_acquire(body: dict[str, Any]) -> Lease | Completed:
+    """An acquire's answer: a new ``Lease`` (held) or the stored ``Completed`` result."""
+    status = body.get("status")
+    if status == "held":
+        return parse_lease(body)
+    if status == "completed":
+        return parse_completed(body)
+    raise InternalError("The service's acquire response has an unknown status")
+
+
+def parse_released(body: dict[str, Any]) -> Released:
+    """A ``Released`` from a release body."""
+    return Released(fencing_token=_field(body, "fencing_token", int), body=body)

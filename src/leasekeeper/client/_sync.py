@@ -1,0 +1,482 @@
+"""The synchronous client: ``LeaseClient`` and the ``HeldLease`` its ``lease()`` yields."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import random as _random
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from types import TracebackType
+from typing import Any, ParamSpec
+
+import httpx
+
+from leasekeeper._errors import LeaseError, LeaseHeld, LeaseLost, RateLimited, ServiceUnavailable
+from leasekeeper.client._http import (
+    BASE_PATH,
+    DEFAULT_TIMEOUT,
+    DEFAULT_URL,
+    HEADERS,
+    api_root,
+    encode,
+    lease_body,
+    read_response,
+    unreachable,
+)
+from leasekeeper.client._renewer import RenewalWorker, ThreadFactory, Waiter
+from leasekeeper.client._results import (
+    Completed,
+    Lease,
+    Released,
+    parse_acquire,
+    parse_completed,
+    parse_lease,
+    parse_released,
+)
+from leasekeeper.client._timing import RenewalPlan, acquire_delay, as_seconds
+
+__all__ = ["HeldLease", "LeaseClient"]
+
+log = logging.getLogger("leasekeeper.client")
+
+P = ParamSpec("P")
+
+#: ``on_wait(error, delay_seconds)``: told before each wait for a held key.
+OnWait = Callable[[LeaseError, float], object]
+#: ``on_lost(error)``: told once when a held lease is lost.
+OnLost = Callable[[LeaseLost], object]
+Wait = float | timedelta | None
+
+#: What ``acquire`` waits through when it may wait: held keys and passing faults.
+_WAITABLE = (LeaseHeld, RateLimited, ServiceUnavailable)
+
+
+class LeaseClient:
+    """A client for the leasekeeper HTTP API.
+
+    ``LeaseClient("http://127.0.0.1:8787")`` opens its own ``httpx.Client``;
+    pass ``client=`` to use yours (its ``base_url`` applies when ``base_url`` is
+    not given) or ``transport=`` to put any ``httpx`` transport underneath.
+    Every refusal raises the matching exception of ``leasekeeper``'s one tree
+    (``LeaseHeld``, ``LeaseLost``, ``FingerprintConflict``, ...), and a request
+    that gets no answer raises ``ServiceUnreachable``.
+
+    ``monotonic``, ``event_factory``, ``thread_factory`` and ``random`` drive
+    waiting and background renewal; tests replace them to run on a fake clock.
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        *,
+        client: httpx.Client | None = None,
+        transport: httpx.BaseTransport | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        monotonic: Callable[[], float] = time.monotonic,
+        event_factory: Callable[[], Waiter] = threading.Event,
+        thread_factory: ThreadFactory = threading.Thread,
+        random: Callable[[], float] = _random.random,
+    ) -> None:
+        if client is not None and transport is not None:
+            raise TypeError("pass either client= or transport=, not both")
+        if client is None:
+            self._http = httpx.Client(
+                base_url=api_root(base_url or DEFAULT_URL), transport=transport, timeout=timeout
+            )
+            self._prefix = ""
+            self._owns_http = True
+        else:
+            self._http = client
+            self._prefix = api_root(base_url) if base_url else BASE_PATH
+            self._owns_http = False
+        self.timeout = timeout
+        self._monotonic = monotonic
+        self._event_factory = event_factory
+        self._thread_factory = thread_factory
+        self._random = random
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the HTTP client if this object opened it."""
+        if self._owns_http:
+            self._http.close()
+
+    def __enter__(self) -> LeaseClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- the five operations -------------------------------------------------------------------
+
+    def _post(self, route: str, body: dict[str, Any], request_seconds: float | None = None) -> Any:
+        content = encode(body)
+        try:
+            # A shorter timeout only on our own client: an injected one keeps its settings
+            # (Starlette's TestClient, for one, refuses a per-request timeout).
+            if request_seconds is None or not self._owns_http:
+                response = self._http.post(self._prefix + route, content=content, headers=HEADERS)
+            else:
+                response = self._http.post(
+                    self._prefix + route, content=content, headers=HEADERS, timeout=request_seconds
+                )
+        except httpx.TransportError as exc:
+            raise unreachable(exc) from exc
+        return read_response(response)
+
+    def create_namespace(self) -> str:
+        """Mint a namespace: a 256-bit bearer secret. Keep it; nobody can recover it."""
+        return str(self._post("/lease/namespace", {})["namespace"])
+
+    def acquire(
+        self,
+        namespace: str | None,
+        key: str,
+        *,
+        ttl: int | None = None,
+        fingerprint: str | None = None,
+        wait: Wait = None,
+        on_wait: OnWait | None = None,
+    ) -> Lease | Completed:
+        """Take the lease on ``key``: a ``Lease`` (yours now) or the ``Completed`` result.
+
+        With ``wait`` (seconds, a ``timedelta`` or ``math.inf``) a held key, a rate
+        limit or an unavailable service is retried with backoff guided by
+        ``Retry-After`` until the wait is over; then the last error is raised
+        (``LeaseHeld`` for a key still held). ``on_wait(error, delay)`` is told
+        before each pause.
+        """
+        return self._acquire(namespace, key, ttl, fingerprint, wait, on_wait)[0]
+
+    def _acquire(
+        self,
+        namespace: str | None,
+        key: str,
+        ttl: int | None,
+        fingerprint: str | None,
+        wait: Wait,
+        on_wait: OnWait | None,
+    ) -> tuple[Lease | Completed, float]:
+        """Acquire, waiting as ``acquire`` does; also returns when the winning request was sent."""
+        body = lease_body(namespace=namespace, key=key, ttl_seconds=ttl, fingerprint=fingerprint)
+        deadline = self._monotonic() + as_seconds(wait)
+        attempt = 0
+        while True:
+            sent_at = self._monotonic()
+            try:
+                return parse_acquire(self._post("/lease", body)), sent_at
+            except _WAITABLE as error:
+                delay = acquire_delay(
+                    attempt, error.retry_after, deadline - self._monotonic(), self._random()
+                )
+                if delay is None:
+                    raise
+                if on_wait is not None:
+                    on_wait(error, delay)
+                self._event_factory().wait(delay)
+                attempt += 1
+
+    def renew(
+        self, namespace: str | None, key: str, owner_token: str, *, ttl: int | None = None
+    ) -> Lease:
+        """Move the lease's expiry to ``min(now + ttl, absolute_expires_at)``; same fence."""
+        return self._renew(namespace, key, owner_token, ttl, None)
+
+    def _renew(
+        self,
+        namespace: str | None,
+        key: str,
+        owner_token: str,
+        ttl: int | None,
+        request_seconds: float | None,
+    ) -> Lease:
+        body = lease_body(namespace=namespace, key=key, owner_token=owner_token, ttl_seconds=ttl)
+        return parse_lease(self._post("/lease/renew", body, request_seconds), owner_token)
+
+    def release(self, namespace: str | None, key: str, owner_token: str) -> Released:
+        """End ownership now; the key can be acquired at once, its binding stays."""
+        body = lease_body(namespace=namespace, key=key, owner_token=owner_token)
+        return parse_released(self._post("/lease/release", body))
+
+    def complete(self, namespace: str | None, key: str, owner_token: str, result: Any) -> Completed:
+        """Store ``result`` (any JSON value, at most 32 KiB) and end ownership for good."""
+        body = lease_body(namespace=namespace, key=key, owner_token=owner_token, result=result)
+        return parse_completed(self._post("/lease/complete", body))
+
+    # -- held leases -------------------------------------------------------------------------
+
+    def lease(
+        self,
+        namespace: str | None,
+        key: str,
+        *,
+        ttl: int = 30,
+        fingerprint: str | None = None,
+        wait: Wait = None,
+        on_lost: OnLost | None = None,
+        on_wait: OnWait | None = None,
+    ) -> HeldLease:
+        """A lease for a ``with`` block: acquired on entry, renewed, released on exit.
+
+        See ``HeldLease``. ``wait`` and ``on_wait`` are ``acquire``'s; ``on_lost``
+        is called once, from the renewal thread, if the lease is lost.
+        """
+        return HeldLease(
+            self,
+            namespace,
+            key,
+            ttl=ttl,
+            fingerprint=fingerprint,
+            wait=wait,
+            on_lost=on_lost,
+            on_wait=on_wait,
+        )
+
+    def once(
+        self,
+        namespace: str | None,
+        *,
+        key: str | Callable[..., str],
+        fingerprint: str | Callable[..., str | None] | None = None,
+        ttl: int = 30,
+        wait: Wait = math.inf,
+        on_lost: OnLost | None = None,
+    ) -> Callable[[Callable[P, Any]], Callable[P, Any]]:
+        """Run the decorated function at most once per key and fingerprint, across workers.
+
+        ``key`` and ``fingerprint`` are values or functions of the call's
+        arguments. The first caller holds the lease while the function runs and
+        stores its return value (JSON) with ``complete``; every caller, the first
+        included, gets the *stored* result, so all see the same (redacted) value.
+        Other callers wait while the key is held (by default for ever); if the
+        function raises, the lease is released and the next caller runs it.
+        """
+
+        def decorate(function: Callable[P, Any]) -> Callable[P, Any]:
+            @functools.wraps(function)
+            def run_once(*args: P.args, **kwargs: P.kwargs) -> Any:
+                the_key = key(*args, **kwargs) if callable(key) else key
+                the_fingerprint = (
+                    fingerprint(*args, **kwargs) if callable(fingerprint) else fingerprint
+                )
+                with self.lease(
+                    namespace,
+                    the_key,
+                    ttl=ttl,
+                    fingerprint=the_fingerprint,
+                    wait=wait,
+                    on_lost=on_lost,
+                ) as lease:
+                    if lease.completed:
+                        return lease.result
+                    return lease.complete(function(*args, **kwargs))
+
+            return run_once
+
+        return decorate
+
+
+class HeldLease:
+    """A lease held for a ``with`` block and renewed in the background.
+
+    On entry the key is acquired (waiting up to ``wait``); a renewal thread then
+    renews it about every third of ``ttl``. On exit renewal stops, and the lease
+    is released unless it was completed, also when the block raised.
+
+    If the key was already completed with this fingerprint, ``completed`` is
+    true and ``result`` holds the stored result: nothing is renewed or released.
+
+    If ownership ends early (the service answers ``lost``, renewals keep failing
+    until the lease's expiry, or the key's lifecycle ends), ``lost`` is set,
+    ``lost_error`` says why, ``on_lost`` is called and a WARNING is logged; from
+    then on ``check()`` raises ``LeaseLost``. Call ``check()`` before each side
+    effect, and send ``fencing_token`` along with writes to the protected system.
+    """
+
+    def __init__(
+        self,
+        client: LeaseClient,
+        namespace: str | None,
+        key: str,
+        *,
+        ttl: int,
+        fingerprint: str | None,
+        wait: Wait,
+        on_lost: OnLost | None,
+        on_wait: OnWait | None,
+    ) -> None:
+        self._client = client
+        self._namespace = namespace
+        self._key = key
+        self._ttl = ttl
+        self._fingerprint = fingerprint
+        self._wait = wait
+        self._on_lost = on_lost
+        self._on_wait = on_wait
+        #: Set once ownership ended without this object ending it.
+        self.lost = threading.Event()
+        self.lost_error: LeaseLost | None = None
+        self.completed = False
+        self.result: Any = None
+        #: The latest grant (acquire, then each renewal); None until entered or if completed.
+        self.grant: Lease | None = None
+        self.completion: Completed | None = None
+        self.renewer: RenewalWorker | None = None
+        # Serializes owner operations (renew, complete, release) between the block and
+        # the renewal thread, so a renewal never lands after a complete or release.
+        self._lock = threading.Lock()
+        self._lost_lock = threading.Lock()
+        self._entered = False
+        self._ended = False  # this object ended ownership (completed, released, exited)
+
+    def __repr__(self) -> str:
+        state = (
+            "completed"
+            if self.completed
+            else "lost"
+            if self.lost.is_set()
+            else "ended"
+            if self._ended
+            else "held"
+            if self._entered
+            else "not entered"
+        )
+        fence = self.fencing_token if self._entered else None
+        return f"<HeldLease {state} fencing_token={fence}>"
+
+    @property
+    def fencing_token(self) -> int:
+        """The fence to send with writes (for a completed key: the completer's)."""
+        if self.completion is not None:
+            return self.completion.fencing_token
+        if self.grant is None:
+            raise RuntimeError("the lease has not been acquired; use it in a with block")
+        return self.grant.fencing_token
+
+    def __enter__(self) -> HeldLease:
+        if self._entered:
+            raise RuntimeError("a HeldLease is entered once; call client.lease() again")
+        outcome, sent_at = self._client._acquire(
+            self._namespace, self._key, self._ttl, self._fingerprint, self._wait, self._on_wait
+        )
+        self._entered = True
+        if isinstance(outcome, Completed):
+            self.completion, self.completed, self.result = outcome, True, outcome.result
+            self._ended = True
+            return self
+        self.grant = outcome
+        client = self._client
+        self.renewer = RenewalWorker(
+            self,
+            RenewalPlan.after_acquire(self._ttl, outcome.ttl_seconds, sent_at),
+            monotonic=client._monotonic,
+            event_factory=client._event_factory,
+            thread_factory=client._thread_factory,
+            request_timeout=client.timeout,
+        )
+        self.renewer.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self.renewer is not None:
+            self.renewer.stop()
+        with self._lock:
+            if self._ended:
+                return
+            self._ended = True
+            try:
+                self._client.release(self._namespace, self._key, self._token())
+            except LeaseLost:
+                log.debug("the lease was no longer held at release")
+            except LeaseError as error:
+                log.warning(
+                    "could not release the lease (%s); it expires by itself after its TTL",
+                    error.error,
+                )
+
+    def check(self) -> None:
+        """Raise ``LeaseLost`` unless this lease is still held (by the local estimate)."""
+        if self.lost.is_set() and self.lost_error is not None:
+            raise LeaseLost(self.lost_error.error)
+        if self.completed:
+            raise LeaseLost("The work on this key is completed; there is no lease to hold")
+        if self._ended or not self._entered:
+            raise LeaseLost("The lease is not held (not entered, released or exited)")
+        renewer = self.renewer
+        if renewer is not None and renewer.plan.expired(self._client._monotonic()):
+            self._lost(LeaseLost("The lease expired before a renewal succeeded"))
+            raise LeaseLost("The lease expired before a renewal succeeded")
+
+    def complete(self, result: Any) -> Any:
+        """Store ``result`` and end ownership for good; returns the stored (redacted) result.
+
+        A result over 32 KiB raises ``PayloadTooLarge`` and leaves the lease held
+        and renewed; a lost lease raises ``LeaseLost``.
+        """
+        self.check()
+        with self._lock:
+            try:
+                done = self._client.complete(self._namespace, self._key, self._token(), result)
+            except LeaseLost as error:
+                lost: LeaseLost | None = error
+            else:
+                lost = None
+                self._ended = True
+                self.completion, self.completed, self.result = done, True, done.result
+        if lost is not None:
+            self._lost(lost)
+            raise lost
+        if self.renewer is not None:
+            self.renewer.stop()
+        return self.result
+
+    def release(self) -> None:
+        """Release the lease now, before the block ends (``LeaseLost`` if it was lost)."""
+        self.check()
+        if self.renewer is not None:
+            self.renewer.stop()
+        with self._lock:
+            self._ended = True
+            self._client.release(self._namespace, self._key, self._token())
+
+    # -- for the renewal worker ------------------------------------------------------------------
+
+    def _token(self) -> str:
+        if self.grant is None:  # pragma: no cover - guarded by the callers
+            raise RuntimeError("the lease has not been acquired")
+        return self.grant.owner_token
+
+    def _renew_for_worker(self, request_seconds: float) -> int | None:
+        """Renew once for the worker; the granted TTL, or None if the lease is over."""
+        with self._lock:
+            if self._ended or self.lost.is_set():
+                return None
+            self.grant = self._client._renew(
+                self._namespace, self._key, self._token(), self._ttl, request_seconds
+            )
+            return self.grant.ttl_seconds
+
+    def _lost(self, error: LeaseLost) -> None:
+        """Ownership ended without us: set ``lost``, log a WARNING, call ``on_lost`` once."""
+        with self._lost_lock:
+            if self.lost.is_set() or self._ended:
+                return
+            self.lost_error = error
+            self.lost.set()
+        fence = self.grant.fencing_token if self.grant else 0
+        log.warning("lease lost (fencing token %d): %s", fence, error.error)
+        if self._on_lost is not None:
+            try:
+                self._on_lost(error)
+            except Exception:
+                log.exception("the on_lost callback failed")

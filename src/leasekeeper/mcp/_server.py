@@ -1,0 +1,515 @@
+"""The MCP adapter: five lease tools over one ``LeaseService``.
+
+Each tool is one service operation. Its arguments are the HTTP body's fields,
+passed to ``service.handle`` as they came (the service validates them exactly as
+it validates an HTTP body), and its result is the HTTP body: as structured
+content, and as JSON text for clients that read only text. A refusal
+(``LeaseError``) is a tool error result (``isError: true``) carrying the error's
+body, so an agent can read ``status`` and ``retry_after_seconds``. Errors become
+results in one place, ``call_lease_tool``.
+
+The server is built on the SDK's low-level ``Server`` rather than ``MCPServer``:
+``MCPServer`` derives schemas from Python signatures and validates arguments with
+pydantic in lax mode (``"60"`` and ``true`` would pass as integers), while the
+contract wants the same strict validation as HTTP. Here the input schemas are
+written out with the spec's bounds, and the only validation is the service's.
+
+Transports:
+
+- streamable HTTP (``streamable_http_mount``), mounted at ``/mcp`` beside the
+  HTTP API by ``leasekeeper serve``. Stateless and with JSON responses: a tool
+  call is one self-contained POST, so any instance behind a load balancer can
+  answer it and no session state lives in the process;
+- stdio (``serve_stdio``), for desktop agents: ``leasekeeper mcp``.
+
+Nothing here logs tool arguments or results: they hold namespaces, keys, owner
+tokens, fingerprints and results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import anyio
+import orjson
+from mcp import types
+from mcp.server import Server, ServerRequestContext
+from mcp.server.stdio import stdio_server
+from mcp.server.streamable_http_manager import (
+    StreamableHTTPASGIApp,
+    StreamableHTTPSessionManager,
+)
+from mcp.server.transport_security import TransportSecuritySettings
+from mcp.shared.exceptions import MCPError
+from starlette.routing import BaseRoute, Route
+
+from leasekeeper._core.secrets import NAMESPACE_PREFIX, OWNER_PREFIX
+from leasekeeper._core.validation import MAX_RESULT_BYTES, check_tree
+from leasekeeper._errors import InternalError, LeaseError
+from leasekeeper._schemas import DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
+from leasekeeper._service import LeaseService
+from leasekeeper._settings import Settings
+
+__all__ = [
+    "INSTRUCTIONS",
+    "MCP_PATH",
+    "TOOL_OPERATIONS",
+    "StreamableHttpMount",
+    "call_lease_tool",
+    "create_mcp_server",
+    "lease_tools",
+    "quiet_sdk_logs",
+    "serve_stdio",
+    "streamable_http_mount",
+]
+
+log = logging.getLogger("leasekeeper.mcp")
+
+MCP_PATH: Final = "/mcp"
+
+#: Tool name -> ``LeaseService.handle`` operation.
+TOOL_OPERATIONS: Final[Mapping[str, str]] = {
+    "create_lease_namespace": "namespace",
+    "acquire_lease": "acquire",
+    "renew_lease": "renew",
+    "release_lease": "release",
+    "complete_lease": "complete",
+}
+
+# -- input schemas ---------------------------------------------------------------------------
+# The spec's bounds, as JSON Schema. They tell a model what to send; the service
+# still checks every argument (a client need not honour a schema).
+
+_B64_43 = "[A-Za-z0-9_-]{43}"
+
+_NAMESPACE: Final = {
+    "type": "string",
+    "pattern": f"^{NAMESPACE_PREFIX}{_B64_43}$",
+    "description": (
+        "The namespace returned by create_lease_namespace (ns_ followed by 43 characters). "
+        "A secret: keep it in your own state and never show it to users or write it to "
+        "logs. Optional: without a namespace the key itself must be a random value (see key)."
+    ),
+}
+_KEY: Final = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 200,
+    "description": (
+        "Names one job, for example 'invoice:2026-09-05'. With a namespace: 1 to 200 "
+        "characters, no control characters. Without a namespace: 32 to 200 printable ASCII "
+        "characters, no whitespace, visibly random (at least 100 bits of entropy, such as a "
+        "UUID4). Use the same key every time you mean the same job. Treat it as a secret."
+    ),
+}
+_TTL: Final = {
+    "type": "integer",
+    "minimum": 1,
+    "maximum": MAX_TTL_SECONDS,
+    "description": (
+        f"Seconds until the lease expires unless renewed: an integer from 1 to "
+        f"{MAX_TTL_SECONDS}, default {DEFAULT_TTL_SECONDS}. Pick a little more than one step "
+        "of your work and renew as you go."
+    ),
+}
+_FINGERPRINT: Final = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 1024,
+    "description": (
+        "Identifies the job's input, for example a hash of the request (1 to 1024 "
+        "characters). The first acquire binds the key to this fingerprint, or to having none, "
+        "for the key's 24-hour lifecycle; an acquire with a different one gets status "
+        "conflict. Send the same fingerprint every time for the same job. Treat it as a secret."
+    ),
+}
+_OWNER_TOKEN: Final = {
+    "type": "string",
+    "pattern": f"^{OWNER_PREFIX}{_B64_43}$",
+    "description": (
+        "The owner_token that acquire_lease returned to you (own_ followed by 43 "
+        "characters). A secret: it proves you own the lease."
+    ),
+}
+_RESULT: Final = {
+    "description": (
+        f"The job's result: any JSON value, at most {MAX_RESULT_BYTES:,} bytes as compact JSON. "
+        "Fields named like secrets (password, token, secret, api_key, authorization, cookie, "
+        'private_key...) are stored as "[redacted]"; keep secrets and personal data out of '
+        "other fields too."
+    ),
+}
+
+
+def _schema(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+
+
+_ERRORS_ANY_TOOL = (
+    'Other errors: "invalid" (an argument breaks a rule; the error names it; fix it, do not '
+    'retry unchanged), "unavailable" (the store is unreachable; retry after '
+    'retry_after_seconds), "internal" (retry later).'
+)
+
+_TOOLS: Final = (
+    types.Tool(
+        name="create_lease_namespace",
+        title="Create a lease namespace",
+        description=(
+            "Mint a private namespace: a 256-bit secret (ns_...) that lets you use readable keys "
+            "such as 'invoice:2026-09-05' with the other lease tools. Call it once per project "
+            "or family of jobs and store the namespace in your own durable state: the service "
+            "keeps no copy and cannot list or recover it, and anyone who has it can test your "
+            "leases and read their results, so never show it to users or write it to logs. Do "
+            "not mint a new namespace per lease: the same key in another namespace is another "
+            "job, so duplicates would go unnoticed. Takes no arguments; returns "
+            "{ok, namespace, entropy_bits}."
+        ),
+        input_schema=_schema({}, []),
+        annotations=types.ToolAnnotations(
+            title="Create a lease namespace",
+            # Minting stores nothing: the namespace is its own proof. Every call
+            # returns a new one, hence not idempotent.
+            read_only_hint=True,
+            destructive_hint=False,
+            idempotent_hint=False,
+            open_world_hint=False,
+        ),
+    ),
+    types.Tool(
+        name="acquire_lease",
+        title="Acquire a lease",
+        description=(
+            "Ask for the exclusive right to do one job (named by key), or learn that it is "
+            "already done. Call it before starting work that must not run twice, for example "
+            "a payment, an email or a deployment. Read `status` in the result:\n"
+            '- "held" (ok true): you own the lease for ttl_seconds. Keep owner_token secret; '
+            "renew_lease, release_lease and complete_lease need it. Do the work, renew before "
+            "lease_expires_at, then call complete_lease. If the systems you write to accept "
+            "it, send fencing_token with your writes (a higher token always wins).\n"
+            '- "completed" (ok true): the job was done before; `result` is its stored result. '
+            "Reuse it and do not do the work again. No owner token is issued.\n"
+            'Tool errors (ok false):\n- "held": another worker owns the lease right now. Do '
+            "not do the work. Wait retry_after_seconds, then call acquire_lease again (you "
+            "may then get the completed result), or do something else meanwhile.\n"
+            '- "conflict": this key was already used with a different fingerprint (different '
+            "input) within its 24-hour lifecycle. Use a new key for different input; never "
+            "reuse a key for other work.\n" + _ERRORS_ANY_TOOL
+        ),
+        input_schema=_schema(
+            {
+                "namespace": _NAMESPACE,
+                "key": _KEY,
+                "ttl_seconds": _TTL,
+                "fingerprint": _FINGERPRINT,
+            },
+            ["key"],
+        ),
+        annotations=types.ToolAnnotations(
+            title="Acquire a lease",
+            read_only_hint=False,
+            # It creates ownership; it takes nothing away from a live owner.
+            destructive_hint=False,
+            # A repeat after the lease expires makes a new owner: not idempotent.
+            idempotent_hint=False,
+            open_world_hint=False,
+        ),
+    ),
+    types.Tool(
+        name="renew_lease",
+        title="Renew a lease",
+        description=(
+            "Keep your lease while you are still working: it will now expire ttl_seconds "
+            "from now, but never after absolute_expires_at, the end of the key's 24-hour "
+            "lifecycle (the returned ttl_seconds is what you actually got). Renew well before "
+            "lease_expires_at, for example when half the ttl has passed. fencing_token stays "
+            "the same.\n"
+            'Tool error "lost": you no longer own the lease (it expired, was released or '
+            "completed, or the token is wrong), and someone else may own it now. Stop the work "
+            "at once, do not write its output, and call acquire_lease again if the job still "
+            "needs doing.\n" + _ERRORS_ANY_TOOL
+        ),
+        input_schema=_schema(
+            {
+                "namespace": _NAMESPACE,
+                "key": _KEY,
+                "owner_token": _OWNER_TOKEN,
+                "ttl_seconds": _TTL,
+            },
+            ["key", "owner_token"],
+        ),
+        annotations=types.ToolAnnotations(
+            title="Renew a lease",
+            read_only_hint=False,
+            destructive_hint=False,
+            # Repeating it leaves the same state: held until about now + ttl.
+            idempotent_hint=True,
+            open_world_hint=False,
+        ),
+    ),
+    types.Tool(
+        name="release_lease",
+        title="Release a lease",
+        description=(
+            "Give your lease up without storing a result, so that another worker (or you, "
+            "later) can acquire the key at once. Use it when you stop or fail before the job "
+            "is done. The key keeps its fingerprint binding; your owner_token is useless "
+            'afterwards. Returns {ok, status: "released", fencing_token}.\n'
+            'Tool error "lost": you were not the owner any more; there is nothing to release. '
+            "Do not write the job's output.\n" + _ERRORS_ANY_TOOL
+        ),
+        input_schema=_schema(
+            {"namespace": _NAMESPACE, "key": _KEY, "owner_token": _OWNER_TOKEN},
+            ["key", "owner_token"],
+        ),
+        annotations=types.ToolAnnotations(
+            title="Release a lease",
+            read_only_hint=False,
+            # It ends the caller's ownership.
+            destructive_hint=True,
+            # A repeat is refused as lost and changes nothing.
+            idempotent_hint=True,
+            open_world_hint=False,
+        ),
+    ),
+    types.Tool(
+        name="complete_lease",
+        title="Complete a lease",
+        description=(
+            "Finish the job: store its result and end your ownership for good. Until the "
+            "key's lifecycle ends (24 hours after its first acquire), acquire_lease with the "
+            'same namespace, key and fingerprint returns status "completed" with this result '
+            "instead of a lease, so nobody does the work again. The result is returned as "
+            "stored, with secret-named fields redacted.\n"
+            'Tool error "lost": you no longer own the lease; someone else may have done the '
+            "job or be doing it. If an earlier complete_lease call of yours may have succeeded "
+            '(a timeout, say), call acquire_lease: status "completed" means it did.\n'
+            'Tool error "too_large": the result is over the limit; shrink it and call again '
+            "(your lease is unchanged).\n" + _ERRORS_ANY_TOOL
+        ),
+        input_schema=_schema(
+            {
+                "namespace": _NAMESPACE,
+                "key": _KEY,
+                "owner_token": _OWNER_TOKEN,
+                "result": _RESULT,
+            },
+            ["key", "owner_token", "result"],
+        ),
+        annotations=types.ToolAnnotations(
+            title="Complete a lease",
+            read_only_hint=False,
+            # It ends ownership for the whole lifecycle and fixes the result.
+            destructive_hint=True,
+            # A repeat is refused as lost and changes nothing.
+            idempotent_hint=True,
+            open_world_hint=False,
+        ),
+    ),
+)
+
+_TOOLS_BY_NAME: Final = {tool.name: tool for tool in _TOOLS}
+
+INSTRUCTIONS: Final = (
+    "leasekeeper makes sure a job is done once: one worker at a time holds a lease on the "
+    "job's key, and the finished job's result is kept for 24 hours so that later callers reuse "
+    "it instead of doing the work again. Typical flow: create_lease_namespace once and keep the "
+    "namespace in your own state; acquire_lease with a key naming the job and a fingerprint of "
+    "its input; on status held, do the work, renew_lease before the lease expires, then "
+    "complete_lease with the result (or release_lease if you give up); on status completed, "
+    "reuse the result. Refusals are tool errors whose `status` says what to do next. The "
+    "namespace, key, fingerprint and owner_token are secrets: never show them to users or "
+    "write them to logs."
+)
+
+
+def lease_tools() -> list[types.Tool]:
+    """The five tool definitions, as ``tools/list`` returns them."""
+    return list(_TOOLS)
+
+
+# -- calling a tool --------------------------------------------------------------------------
+
+
+async def call_lease_tool(
+    service: LeaseService, name: str, arguments: Mapping[str, Any] | None
+) -> types.CallToolResult:
+    """Run tool ``name`` on ``service``; every outcome but an unknown tool is a result.
+
+    This is the one place where MCP maps outcomes: a reply is a result, a
+    ``LeaseError`` is an error result with the same body as over HTTP.
+    """
+    operation = TOOL_OPERATIONS.get(name)
+    if operation is None:
+        # Protocol error, as the MCP spec asks for unknown tools; a tool name is no secret.
+        raise MCPError(code=types.INVALID_PARAMS, message=f"Unknown tool: {name}")
+    data = dict(arguments or {})
+    try:
+        # HTTP checks depth and lone surrogates while parsing the body; JSON-RPC
+        # parsers do not, so the same check runs here.
+        check_tree(data)
+        reply = await service.handle(operation, data)
+        return _result(reply.plain(), reply.json_bytes(), is_error=False)
+    except LeaseError as error:
+        body = error.body()
+        return _result(body, orjson.dumps(body), is_error=True)
+    except Exception:
+        # Like HTTP's unexpected_handler: the traceback goes to the log, never
+        # the arguments; the caller gets ``internal`` without details.
+        log.exception("unexpected error in MCP tool %s", name)
+        body = InternalError().body()
+        return _result(body, orjson.dumps(body), is_error=True)
+
+
+def _result(body: dict[str, Any], text: bytes, *, is_error: bool) -> types.CallToolResult:
+    return types.CallToolResult(
+        content=[types.TextContent(text=text.decode())],
+        structured_content=body,
+        is_error=is_error,
+    )
+
+
+def create_mcp_server(service: LeaseService) -> Server[Any]:
+    """An MCP server exposing the five lease tools over ``service``.
+
+    The server does not open or close the service: its owner does (the HTTP
+    app's lifespan, or ``serve_stdio``).
+    """
+
+    async def list_tools(
+        ctx: ServerRequestContext[Any], params: types.PaginatedRequestParams | None
+    ) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=lease_tools())
+
+    async def call_tool(
+        ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
+    ) -> types.CallToolResult:
+        return await call_lease_tool(service, params.name, params.arguments)
+
+    def input_schema(name: str) -> Mapping[str, Any] | None:
+        tool = _TOOLS_BY_NAME.get(name)
+        return None if tool is None else tool.input_schema
+
+    return Server(
+        "leasekeeper",
+        version=_version(),
+        title="leasekeeper",
+        description="Leases, fencing tokens and idempotent results for agents and workers.",
+        instructions=INSTRUCTIONS,
+        # Lets the 2026-07-28 HTTP path find a tool's schema without a tools/list round.
+        get_tool_input_schema=input_schema,
+        on_list_tools=list_tools,
+        on_call_tool=call_tool,
+    )
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("leasekeeper")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - source checkout
+        return "0"
+
+
+# -- transports ------------------------------------------------------------------------------
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_SCHEMES = ("http", "https")
+
+LifespanHook = Callable[[], contextlib.AbstractAsyncContextManager[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamableHttpMount:
+    """What ``create_app`` needs to serve MCP: routes, and lifespan hooks to run them."""
+
+    routes: list[BaseRoute] = field(default_factory=list)
+    lifespan_hooks: list[LifespanHook] = field(default_factory=list)
+
+
+def streamable_http_mount(
+    service: LeaseService, settings: Settings | None = None, *, path: str = MCP_PATH
+) -> StreamableHttpMount:
+    """Streamable HTTP at ``path``, for ``create_app(extra_routes=..., lifespan_hooks=...)``.
+
+    Stateless, JSON responses (no SSE streams, no session ids), POST only (GET
+    and DELETE are 405 ``method_not_allowed`` like any other route). Request bodies
+    are capped at ``settings.max_body_bytes`` like the API's. When the server
+    listens on a loopback address, Host and Origin are checked against loopback
+    names, as the SDK does by default, against DNS rebinding from a browser.
+    """
+    settings = settings or Settings()
+    security = None
+    if settings.host in _LOOPBACK:
+        names = ["127.0.0.1", "localhost", "[::1]"]  # as in a Host header
+        hosts = names + [f"{name}:*" for name in names]
+        security = TransportSecuritySettings(
+            enable_dns_rebinding_protection=True,
+            allowed_hosts=hosts,
+            allowed_origins=[f"{scheme}://{host}" for scheme in _SCHEMES for host in hosts],
+        )
+    manager = StreamableHTTPSessionManager(
+        app=create_mcp_server(service),
+        json_response=True,
+        stateless=True,
+        security_settings=security,
+        max_request_body_size=settings.max_body_bytes,
+    )
+    # POST only. A stateless server never sends anything unprompted, so a GET
+    # stream would only hold a connection open; the transport spec lets a server
+    # answer GET (and DELETE, with no session to end) with 405.
+    return StreamableHttpMount(
+        routes=[Route(path, StreamableHTTPASGIApp(manager), methods=["POST"])],
+        lifespan_hooks=[manager.run],
+    )
+
+
+async def serve_stdio(service: LeaseService, *, cleanup_interval_seconds: float | None) -> None:
+    """Serve MCP over this process's stdin and stdout until stdin closes.
+
+    Opens and closes ``service``. With ``cleanup_interval_seconds`` the store's
+    finished lifecycles are deleted that often, as ``leasekeeper serve`` does.
+    """
+    server = create_mcp_server(service)
+    await service.start()
+    try:
+        async with anyio.create_task_group() as tasks:
+            if cleanup_interval_seconds is not None:
+                tasks.start_soon(_cleanup_every, service, cleanup_interval_seconds)
+            async with stdio_server() as (read_stream, write_stream):
+                await server.run(read_stream, write_stream, server.create_initialization_options())
+            tasks.cancel_scope.cancel()
+    finally:
+        await service.stop()
+
+
+async def _cleanup_every(service: LeaseService, seconds: float) -> None:
+    while True:
+        await anyio.sleep(seconds)
+        try:
+            deleted = await service.cleanup()
+        except LeaseError as error:
+            log.warning("cleanup failed: %s", error.error)
+            continue
+        log.info("cleanup deleted %d records whose lifecycle was over", deleted)
+
+
+def quiet_sdk_logs() -> None:
+    """Keep the MCP SDK's own loggers at WARNING or above.
+
+    At DEBUG the SDK logs stray frames and parse errors with their content,
+    which may hold tool arguments (namespaces, keys, owner tokens) that
+    leasekeeper's logs must never contain; its INFO lines are transport chatter.
+    A root level above WARNING still applies.
+    """
+    sdk = logging.getLogger("mcp")
+    sdk.setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))

@@ -1,0 +1,291 @@
+"""The asyncio client against the real app in-process (httpx.ASGITransport)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+import pytest
+
+from leasekeeper import (
+    AsyncLeaseClient,
+    FakeClock,
+    FingerprintConflict,
+    LeaseHeld,
+    LeaseLost,
+    LeaseService,
+    ServiceUnreachable,
+    Settings,
+)
+from leasekeeper.client import AsyncHeldLease, AsyncRenewalWorker, Completed, Lease
+from leasekeeper.http import create_app
+from tests.client_fakes import BASE_URL, FakeTime, manual_task
+
+KEY = "invoice:2026-09-05"
+
+Scenario = Callable[[httpx.AsyncBaseTransport], Awaitable[None]]
+
+
+@pytest.fixture
+def fake_time(clock: FakeClock) -> FakeTime:
+    return FakeTime(clock)
+
+
+@pytest.fixture
+def run_app(make_store: Any, monotonic: Any) -> Callable[..., None]:
+    """``run_app(scenario, lifecycle_seconds=...)``: run ``scenario(transport)`` in a new loop."""
+
+    def run(scenario: Scenario, *, lifecycle_seconds: int = 86_400) -> None:
+        service = LeaseService(make_store("sqlite"), lifecycle_seconds=lifecycle_seconds)
+        app = create_app(
+            service,
+            Settings(lifecycle_seconds=lifecycle_seconds),
+            monotonic=monotonic,
+            run_cleanup=False,
+        )
+
+        async def main() -> None:
+            await service.start()
+            try:
+                await scenario(httpx.ASGITransport(app=app))
+            finally:
+                await service.stop()
+
+        asyncio.run(main())
+
+    return run
+
+
+def fake_client(transport: httpx.AsyncBaseTransport, time: FakeTime) -> AsyncLeaseClient:
+    return AsyncLeaseClient(
+        BASE_URL,
+        transport=transport,
+        monotonic=time.monotonic,
+        signal_factory=time.signal,
+        task_factory=manual_task,
+        random=lambda: 0.0,
+    )
+
+
+def worker_of(lease: AsyncHeldLease) -> AsyncRenewalWorker:
+    assert lease.renewer is not None
+    return lease.renewer
+
+
+def test_async_operations_round_trip(run_app: Callable[..., None], fake_time: FakeTime) -> None:
+    """The async client mints, acquires, renews, releases and completes like the sync one."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        async with fake_client(transport, fake_time) as client:
+            namespace = await client.create_namespace()
+            lease = await client.acquire(namespace, KEY, ttl=60, fingerprint="f")
+            assert isinstance(lease, Lease)
+            assert lease.lease_expires_at == datetime(2026, 9, 5, 10, 1, tzinfo=UTC)
+            with pytest.raises(LeaseHeld) as held:
+                await client.acquire(namespace, KEY, fingerprint="f")
+            assert held.value.retry_after_seconds == 60
+            with pytest.raises(FingerprintConflict):
+                await client.acquire(namespace, KEY, fingerprint="g")
+            renewed = await client.renew(namespace, KEY, lease.owner_token, ttl=120)
+            assert renewed.fencing_token == lease.fencing_token
+            released = await client.release(namespace, KEY, lease.owner_token)
+            assert released.fencing_token == lease.fencing_token
+            with pytest.raises(LeaseLost):
+                await client.release(namespace, KEY, lease.owner_token)
+            again = await client.acquire(namespace, KEY, fingerprint="f")
+            assert isinstance(again, Lease)
+            done = await client.complete(namespace, KEY, again.owner_token, [1, {"cookie": "c"}])
+            assert done.result == [1, {"cookie": "[redacted]"}]
+            assert isinstance(await client.acquire(namespace, KEY, fingerprint="f"), Completed)
+
+    run_app(scenario)
+
+
+def test_async_transport_failure_is_service_unreachable() -> None:
+    """An async request that gets no answer raises ServiceUnreachable."""
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectTimeout("timed out", request=request)
+
+    async def main() -> None:
+        client = AsyncLeaseClient(BASE_URL, transport=httpx.MockTransport(refuse))
+        with pytest.raises(ServiceUnreachable):
+            await client.create_namespace()
+        await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_async_acquire_waits_with_backoff(
+    run_app: Callable[..., None], fake_time: FakeTime
+) -> None:
+    """Waiting for a held key doubles from 0.25 s, capped by Retry-After, on the signal."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        client = fake_client(transport, fake_time)
+        namespace = await client.create_namespace()
+        first = await client.acquire(namespace, KEY, ttl=2)
+        second = await client.acquire(namespace, KEY, ttl=2, wait=10)
+        assert isinstance(first, Lease)
+        assert isinstance(second, Lease)
+        assert second.fencing_token > first.fencing_token
+        assert fake_time.waits == [0.25, 0.5, 1.0, 1.0]
+
+    run_app(scenario)
+
+
+def test_async_lease_renews_and_releases(run_app: Callable[..., None], fake_time: FakeTime) -> None:
+    """async with: acquire, a renewal turn at ttl/3 on fake time, release on exit."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        client = fake_client(transport, fake_time)
+        namespace = await client.create_namespace()
+        async with client.lease(namespace, KEY, ttl=30) as lease:
+            lease.check()
+            assert lease.grant is not None
+            expiry = lease.grant.lease_expires_at_timestamp
+            fake_time.waits.clear()
+            assert await worker_of(lease).step()
+            assert fake_time.waits == [10.0]
+            assert lease.grant.lease_expires_at_timestamp == expiry + 10
+        assert worker_of(lease).stopped
+        after = await client.acquire(namespace, KEY)
+        assert isinstance(after, Lease)
+        assert after.fencing_token > lease.fencing_token
+
+    run_app(scenario)
+
+
+def test_async_server_taking_the_lease_away_sets_lost(
+    run_app: Callable[..., None], fake_time: FakeTime, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The service's lost answer sets lost, awaits an async on_lost, and check() raises."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        client = fake_client(transport, FakeTime(FakeClock()))
+        namespace = await client.create_namespace()
+        told: list[LeaseLost] = []
+
+        async def on_lost(error: LeaseLost) -> None:
+            await asyncio.sleep(0)
+            told.append(error)
+
+        async with client.lease(namespace, KEY, ttl=30, on_lost=on_lost) as lease:
+            fake_time.clock.advance(31)
+            other = await fake_client(transport, fake_time).acquire(namespace, KEY)
+            assert isinstance(other, Lease)
+            with caplog.at_level(logging.WARNING, logger="leasekeeper.client"):
+                assert not await worker_of(lease).step()
+            assert lease.lost.is_set()
+            assert len(told) == 1
+            with pytest.raises(LeaseLost):
+                lease.check()
+            with pytest.raises(LeaseLost):
+                await lease.complete("too late")
+        await client.renew(namespace, KEY, other.owner_token)  # the new owner is untouched
+        assert any("lease lost" in r.message for r in caplog.records)
+
+    run_app(scenario)
+
+
+def test_async_lease_on_a_completed_key(run_app: Callable[..., None], fake_time: FakeTime) -> None:
+    """A completed key gives completed and the result, and no renewal task."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        client = fake_client(transport, fake_time)
+        namespace = await client.create_namespace()
+        async with client.lease(namespace, KEY) as lease:
+            assert await lease.complete({"ok": 1}) == {"ok": 1}
+        async with client.lease(namespace, KEY) as again:
+            assert again.completed
+            assert again.result == {"ok": 1}
+            assert again.renewer is None
+
+    run_app(scenario)
+
+
+def test_async_renewal_task_renews_for_real_and_is_cancelled_on_exit(
+    run_app: Callable[..., None],
+) -> None:
+    """With the default signal and task, renewals run in the background until exit."""
+
+    class Counting(httpx.AsyncBaseTransport):
+        def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+            self.inner = inner
+            self.renewals = 0
+            self.twice = asyncio.Event()
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path.endswith("/renew"):
+                self.renewals += 1
+                if self.renewals >= 2:
+                    self.twice.set()
+            return await self.inner.handle_async_request(request)
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        counting = Counting(transport)
+        async with AsyncLeaseClient(BASE_URL, transport=counting) as client:
+            namespace = await client.create_namespace()
+            async with client.lease(namespace, KEY, ttl=1) as lease:
+                await asyncio.wait_for(counting.twice.wait(), 5)
+            assert lease.renewer is not None
+            assert lease.renewer._task is not None
+            assert lease.renewer._task.done()
+            assert not lease.lost.is_set()
+            assert isinstance(await client.acquire(namespace, KEY), Lease)
+
+    run_app(scenario)
+
+
+def test_async_once_runs_once_across_tasks(run_app: Callable[..., None]) -> None:
+    """Concurrent tasks calling an async once function: one runs it, all get the result."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        async with AsyncLeaseClient(BASE_URL, transport=transport) as client:
+            namespace = await client.create_namespace()
+            calls: list[int] = []
+            started = asyncio.Event()
+
+            @client.once(namespace, key=lambda n: f"job:{n}", fingerprint=lambda n: "v1")
+            async def job(n: int) -> dict[str, int]:
+                calls.append(n)
+                started.set()
+                await asyncio.sleep(0.05)
+                return {"n": n}
+
+            first = asyncio.create_task(job(7))
+            await started.wait()
+            results = await asyncio.gather(first, job(7), job(7))
+            assert results == [{"n": 7}] * 3
+            assert calls == [7]
+
+    run_app(scenario)
+
+
+def test_async_check_after_the_local_expiry_calls_on_lost(
+    run_app: Callable[..., None], fake_time: FakeTime
+) -> None:
+    """check() past the local expiry raises and still runs a coroutine on_lost, once."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        client = fake_client(transport, fake_time)
+        namespace = await client.create_namespace()
+        told: list[LeaseLost] = []
+
+        async def on_lost(error: LeaseLost) -> None:
+            told.append(error)
+
+        async with client.lease(namespace, KEY, ttl=30, on_lost=on_lost) as lease:
+            fake_time.clock.advance(30)
+            for _ in range(2):
+                with pytest.raises(LeaseLost, match="expired"):
+                    lease.check()
+            await asyncio.sleep(0)
+            assert lease.lost.is_set()
+            assert len(told) == 1
+
+    run_app(scenario)

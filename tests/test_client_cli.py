@@ -1,0 +1,252 @@
+"""The client commands, in-process: JSON out, exit codes, secrets from env/files, run."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from click.testing import CliRunner, Result
+
+from leasekeeper import FakeClock, LeaseClient
+from leasekeeper.cli import main
+from leasekeeper.client._cli import (
+    EXIT_COMPLETED,
+    EXIT_CONFLICT,
+    EXIT_HELD,
+    EXIT_INVALID,
+    EXIT_LOST,
+    EXIT_UNAVAILABLE,
+    CliEnvironment,
+)
+from tests.client_fakes import BASE_URL, bridge
+
+
+class Cli:
+    """``leasekeeper`` in-process against the test app, with its own environment."""
+
+    def __init__(self, api: Any, tmp_path: Path) -> None:
+        self.api = api
+        self.tmp_path = tmp_path
+        self.environ: dict[str, str] = {"PATH": os.environ.get("PATH", "")}
+        self.terminal = False
+
+    def client(self, url: str = BASE_URL, timeout: float = 10.0) -> LeaseClient:
+        return LeaseClient(BASE_URL, transport=bridge(self.api), timeout=timeout)
+
+    def __call__(self, *args: str, input: str | None = None) -> Result:
+        env = CliEnvironment(
+            environ=self.environ, make_client=self.client, stderr_is_terminal=lambda: self.terminal
+        )
+        return CliRunner().invoke(main, list(args), obj=env, input=input)
+
+    def json(self, result: Result) -> Any:
+        return orjson.loads(result.stdout)
+
+
+@pytest.fixture
+def cli(api: Any, tmp_path: Path) -> Cli:
+    cli = Cli(api, tmp_path)
+    result = cli("namespace")
+    assert result.exit_code == 0, result.output
+    cli.environ["LEASEKEEPER_NAMESPACE"] = cli.json(result)["namespace"]
+    return cli
+
+
+def test_namespace_prints_a_fresh_secret(cli: Cli) -> None:
+    """leasekeeper namespace prints {"ok": true, "namespace": "ns_..."}."""
+    body = cli.json(cli("namespace"))
+    assert body["ok"] is True
+    assert body["namespace"].startswith("ns_")
+
+
+def test_acquire_renew_complete_with_exit_codes(cli: Cli, tmp_path: Path) -> None:
+    """The owner token goes through a file of acquire's JSON; each outcome has its code."""
+    acquired = cli("acquire", "--key", "invoice:1", "--ttl", "30", "--fingerprint", "f")
+    assert acquired.exit_code == 0
+    lease_file = tmp_path / "lease.json"
+    lease_file.write_text(acquired.stdout)
+    assert cli.json(acquired)["owner_token"].startswith("own_")
+
+    held = cli("acquire", "--key", "invoice:1", "--fingerprint", "f")
+    assert held.exit_code == EXIT_HELD
+    assert cli.json(held)["status"] == "held"
+    conflict = cli("acquire", "--key", "invoice:1", "--fingerprint", "g")
+    assert conflict.exit_code == EXIT_CONFLICT
+
+    token_args = ("--key", "invoice:1", "--owner-token-file", str(lease_file))
+    renewed = cli("renew", *token_args, "--ttl", "60")
+    assert renewed.exit_code == 0
+    assert cli.json(renewed)["ttl_seconds"] == 60
+    done = cli("complete", *token_args, "--result", '{"receipt": 4817}')
+    assert done.exit_code == 0
+    assert cli.json(done)["result"] == {"receipt": 4817}
+    lost = cli("release", *token_args)
+    assert lost.exit_code == EXIT_LOST
+    assert cli.json(lost)["status"] == "lost"
+    reused = cli("acquire", "--key", "invoice:1", "--fingerprint", "f")
+    assert reused.exit_code == EXIT_COMPLETED
+    assert cli.json(reused)["result"] == {"receipt": 4817}
+
+
+def test_release_with_the_token_from_the_environment(cli: Cli) -> None:
+    """LEASEKEEPER_OWNER_TOKEN (or --owner-token-env NAME) carries the token."""
+    token = cli.json(cli("acquire", "--key", "k"))["owner_token"]
+    cli.environ["MY_TOKEN"] = token
+    released = cli("release", "--key", "k", "--owner-token-env", "MY_TOKEN")
+    assert released.exit_code == 0
+    assert cli.json(released)["status"] == "released"
+    token = cli.json(cli("acquire", "--key", "k"))["owner_token"]
+    cli.environ["LEASEKEEPER_OWNER_TOKEN"] = token
+    assert cli("release", "--key", "k").exit_code == 0
+
+
+def test_invalid_and_unreachable_have_their_codes(cli: Cli) -> None:
+    """A refused request exits 13, an unreachable service 14."""
+    invalid = cli("complete", "--key", "k", "--owner-token-env", "LEASEKEEPER_NAMESPACE",
+                  "--result", "1")  # fmt: skip
+    assert invalid.exit_code == EXIT_INVALID
+    assert cli.json(invalid)["status"] == "invalid"
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    cli.client = lambda url=BASE_URL, timeout=10.0: LeaseClient(  # type: ignore[method-assign]
+        BASE_URL, transport=httpx.MockTransport(refuse)
+    )
+    down = cli("acquire", "--key", "k")
+    assert down.exit_code == EXIT_UNAVAILABLE
+    assert cli.json(down)["status"] == "unreachable"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["acquire"], "the key is required"),
+        (["acquire", "--key", "k", "--key-env", "K"], "one way only"),
+        (["acquire", "--key-env", "UNSET"], "UNSET is empty"),
+        (["acquire", "--key", "k", "--namespace-file", "/nonexistent/ns"], "cannot read"),
+        (["renew", "--key", "k"], "owner-token is required"),
+        (["complete", "--key", "k", "--result", "{nope"], "not valid JSON"),
+        (["complete", "--key", "k"], "--result JSON or --result-file"),
+    ],
+)
+def test_usage_errors_exit_2_without_echoing_secrets(
+    cli: Cli, args: list[str], message: str
+) -> None:
+    """Missing or doubled secrets and bad JSON are usage errors (exit 2)."""
+    result = cli(*args)
+    assert result.exit_code == 2
+    assert message in result.stderr
+    assert cli.environ["LEASEKEEPER_NAMESPACE"] not in result.output
+
+
+def test_secrets_from_files_and_stdin(cli: Cli, tmp_path: Path) -> None:
+    """A namespace file holds the bare secret or namespace's JSON; - reads stdin."""
+    namespace = cli.environ.pop("LEASEKEEPER_NAMESPACE")
+    (tmp_path / "ns.txt").write_text(namespace + "\n")
+    (tmp_path / "ns.json").write_text(orjson.dumps({"ok": True, "namespace": namespace}).decode())
+    first = cli("acquire", "--namespace-file", str(tmp_path / "ns.txt"), "--key", "readable")
+    assert first.exit_code == 0
+    second = cli("acquire", "--namespace-file", str(tmp_path / "ns.json"), "--key", "readable")
+    assert second.exit_code == EXIT_HELD  # the same namespace
+    third = cli("acquire", "--namespace-file", "-", "--key", "readable", input=namespace)
+    assert third.exit_code == EXIT_HELD
+    # Without a namespace, a readable key is invalid: the service says how to make one.
+    assert cli("acquire", "--key", "readable").exit_code == EXIT_INVALID
+
+
+def test_acquire_wait_reports_progress_on_a_terminal(cli: Cli) -> None:
+    """Waiting is told on stderr when it is a terminal, and not otherwise."""
+    cli("acquire", "--key", "busy", "--ttl", "60")
+    quiet = cli("acquire", "--key", "busy", "--wait", "0.3")
+    assert quiet.exit_code == EXIT_HELD
+    assert quiet.stderr == ""
+    cli.terminal = True
+    loud = cli("acquire", "--key", "busy", "--wait", "0.3")
+    assert loud.exit_code == EXIT_HELD
+    assert "held by another owner" in loud.stderr
+    assert "trying again in" in loud.stderr
+
+
+# -- run --------------------------------------------------------------------------------------
+
+
+def test_run_gives_the_fence_and_passes_the_exit_status(cli: Cli, tmp_path: Path) -> None:
+    """The command sees LEASEKEEPER_FENCING_TOKEN; run exits with its status; lease released."""
+    out = tmp_path / "fence"
+    result = cli("run", "--key", "job", "--", "sh", "-c",
+                 f'echo "$LEASEKEEPER_FENCING_TOKEN" > {out}; exit 3')  # fmt: skip
+    assert result.exit_code == 3
+    assert int(out.read_text()) > 0
+    assert result.stdout == ""
+    assert cli("acquire", "--key", "job").exit_code == 0  # released
+
+
+def test_run_complete_records_and_later_runs_skip(cli: Cli, tmp_path: Path) -> None:
+    """With --complete the status is stored; the next run skips and reports it."""
+    log = tmp_path / "ran"
+    job = ["sh", "-c", f"echo ran >> {log}; exit 4"]
+    first = cli("run", "--key", "nightly", "--fingerprint", "v1", "--complete", "--", *job)
+    assert first.exit_code == 4
+    cli.terminal = True
+    second = cli("run", "--key", "nightly", "--fingerprint", "v1", "--complete", "--", *job)
+    assert second.exit_code == 4
+    report = cli.json(second)
+    assert report["skipped"] is True
+    assert report["result"] == {"exit_code": 4}
+    assert "already completed" in second.stderr
+    assert log.read_text() == "ran\n"
+
+
+def test_run_without_the_command_starting(cli: Cli) -> None:
+    """A command that cannot start exits 127 and releases the lease."""
+    result = cli("run", "--key", "x", "--", "/nonexistent/command")
+    assert result.exit_code == 127
+    assert "cannot run the command" in result.stderr
+    assert cli("acquire", "--key", "x").exit_code == 0
+
+
+def take_lease_away(cli: Cli, clock: FakeClock, key: str, ready: Path, done: list[Any]) -> None:
+    """Once the command runs, expire the lease on the service and let another take it."""
+    deadline = time.monotonic() + 10
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    clock.advance(10)  # past the ttl of 3 s: expired on the service
+    done.append(cli.client().acquire(cli.environ["LEASEKEEPER_NAMESPACE"], key))
+
+
+@pytest.mark.parametrize(
+    ("script", "how"),
+    [
+        ("touch {ready}; exec sleep 30", "stopped with SIGTERM"),
+        ("trap '' TERM; touch {ready}; sleep 30", "killed with SIGKILL after the grace period"),
+    ],
+    ids=["sigterm", "sigkill"],
+)
+def test_run_stops_the_command_when_the_lease_is_lost(
+    cli: Cli, clock: FakeClock, tmp_path: Path, script: str, how: str
+) -> None:
+    """When the service takes the lease away, the command is stopped and run exits 11."""
+    ready = tmp_path / "ready"
+    taken: list[Any] = []
+    thief = threading.Thread(target=take_lease_away, args=(cli, clock, "cron", ready, taken))
+    thief.start()
+    started = time.monotonic()
+    result = cli("run", "--key", "cron", "--ttl", "3", "--grace", "0.3", "--complete", "--",
+                 "sh", "-c", script.format(ready=ready))  # fmt: skip
+    thief.join()
+    assert result.exit_code == EXIT_LOST, result.output
+    assert time.monotonic() - started < 10
+    report = orjson.loads(result.stderr.strip().splitlines()[-1])
+    assert report["status"] == "lost"
+    assert report["command"] == how
+    assert "leasekeeper: lease lost" in result.stderr  # the client's WARNING, said plainly
+    assert cli.environ["LEASEKEEPER_NAMESPACE"] not in result.output
+    # Nothing was recorded, and the new owner still holds the key.
+    assert cli("acquire", "--key", "cron").exit_code == EXIT_HELD

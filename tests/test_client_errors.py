@@ -1,0 +1,101 @@
+"""The client's one choke point from response body back to the exception tree."""
+
+from __future__ import annotations
+
+import pytest
+
+from leasekeeper import (
+    FingerprintConflict,
+    InternalError,
+    InvalidRequest,
+    LeaseConflict,
+    LeaseError,
+    LeaseHeld,
+    LeaseLost,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    RateLimited,
+    ServiceUnavailable,
+    ServiceUnreachable,
+    StaleFence,
+)
+from leasekeeper._errors import error_from_body
+
+SERVICE_ERRORS: list[LeaseError] = [
+    InvalidRequest("ttl_seconds must be an integer from 1 to 86400"),
+    PayloadTooLarge(),
+    NotFound(),
+    MethodNotAllowed(),
+    RateLimited(retry_after_seconds=3),
+    LeaseHeld(
+        retry_after_seconds=43,
+        fencing_token=184,
+        lease_expires_at="2026-09-05T10:01:00Z",
+        absolute_expires_at="2026-09-06T10:00:00Z",
+    ),
+    FingerprintConflict(absolute_expires_at="2026-09-06T10:00:00Z"),
+    LeaseLost("The lease expired; acquire the key again before continuing"),
+    ServiceUnavailable(retry_after_seconds=2),
+    InternalError(),
+]
+
+
+@pytest.mark.parametrize("error", SERVICE_ERRORS, ids=lambda e: e.status)
+def test_every_service_error_round_trips_through_its_body(error: LeaseError) -> None:
+    """error_from_body(error.body()) rebuilds the same class with the same body."""
+    rebuilt = error_from_body(error.body())
+    assert type(rebuilt) is type(error)
+    assert rebuilt.body() == error.body()
+    assert rebuilt.retry_after == error.retry_after
+
+
+def test_the_retry_after_header_fills_a_missing_body_field() -> None:
+    """A body without retry_after_seconds takes the Retry-After header, at least 1 s."""
+    body = {"ok": False, "status": "unavailable", "error": "down"}
+    assert error_from_body(body, retry_after=9).retry_after == 9
+    assert error_from_body(body).retry_after == 1
+
+
+@pytest.mark.parametrize(
+    ("http_status", "expected"),
+    [
+        (400, InvalidRequest),
+        (401, InvalidRequest),
+        (404, NotFound),
+        (405, MethodNotAllowed),
+        (409, LeaseConflict),
+        (413, PayloadTooLarge),
+        (429, RateLimited),
+        (500, InternalError),
+        (502, ServiceUnavailable),
+        (503, ServiceUnavailable),
+        (504, ServiceUnavailable),
+        (302, InternalError),
+    ],
+)
+def test_a_foreign_body_is_classified_by_http_status(
+    http_status: int, expected: type[LeaseError]
+) -> None:
+    """Without a status word of ours, the HTTP status code picks the class."""
+    assert type(error_from_body(None, http_status=http_status)) is expected
+
+
+def test_client_only_errors_sit_in_the_tree() -> None:
+    """ServiceUnreachable is a ServiceUnavailable; StaleFence is a LeaseLost."""
+    unreachable = ServiceUnreachable()
+    assert isinstance(unreachable, ServiceUnavailable)
+    assert unreachable.status == "unreachable"
+    assert unreachable.retry_after == 1
+    stale = StaleFence(resource="invoice:42", fencing_token=184, current_fence=185)
+    assert isinstance(stale, LeaseLost)
+    assert "invoice:42" not in stale.error
+    assert stale.body()["current_fence"] == 185
+
+
+def test_a_malformed_body_does_not_break_the_mapping() -> None:
+    """Wrong field types fall back to safe defaults instead of raising while raising."""
+    error = error_from_body({"status": "held", "retry_after_seconds": True, "fencing_token": "x"})
+    assert isinstance(error, LeaseHeld)
+    assert error.retry_after_seconds == 1
+    assert error.fencing_token == 0

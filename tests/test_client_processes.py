@@ -1,0 +1,178 @@
+"""End to end with a real ``leasekeeper serve``: many processes, the lifecycle end, the README.
+
+These start subprocesses (the server on a free 127.0.0.1 port, the CLI) and
+take seconds, so they are marked slow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+pytestmark = pytest.mark.slow
+
+LEASEKEEPER = str(Path(sys.executable).parent / "leasekeeper")
+README = Path(__file__).resolve().parent.parent / "README.md"
+README_URL = "http://127.0.0.1:8787"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serve(directory: Path, **env: str) -> Iterator[str]:
+    """A ``leasekeeper serve`` subprocess on a fresh SQLite store; yields its URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = (directory / "server.log").open("wb")
+    process = subprocess.Popen(
+        [LEASEKEEPER, "serve", "--port", str(port), "--store", f"sqlite:///{directory}/lk.db"],
+        env={**os.environ, **env},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError((directory / "server.log").read_text())
+            time.sleep(0.05)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with serve(tmp_path_factory.mktemp("server")) as url:
+        yield url
+
+
+def cli_env(url: str, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "LEASEKEEPER_URL": url, **extra}
+    env["PATH"] = f"{Path(LEASEKEEPER).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def mint(url: str) -> str:
+    out = subprocess.run(
+        [LEASEKEEPER, "namespace"], env=cli_env(url), capture_output=True, check=True
+    )
+    return str(orjson.loads(out.stdout)["namespace"])
+
+
+def test_many_processes_run_the_job_exactly_once(server: str, tmp_path: Path) -> None:
+    """Four `run --complete` processes: the job runs once, three report the stored result."""
+    env = cli_env(server, LEASEKEEPER_NAMESPACE=mint(server))
+    ran = tmp_path / "ran.log"
+    command = [LEASEKEEPER, "run", "--key", "nightly", "--fingerprint", "v1", "--ttl", "30",
+               "--wait", "60", "--complete", "--",
+               "sh", "-c", f"echo ran >> {ran}; sleep 0.5"]  # fmt: skip
+    processes = [
+        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for _ in range(4)
+    ]
+    outputs = [process.communicate(timeout=120) for process in processes]
+    assert [p.returncode for p in processes] == [0] * 4, outputs
+    assert ran.read_text().splitlines() == ["ran"]
+    reports = [orjson.loads(out) for out, _ in outputs if out.strip()]
+    assert len(reports) == 3
+    for report in reports:
+        assert report["skipped"] is True
+        assert report["status"] == "completed"
+        assert report["result"] == {"exit_code": 0}
+    assert all(err == b"" for _, err in outputs)  # quiet in pipes
+
+
+def test_the_lifecycle_end_stops_the_command(tmp_path: Path) -> None:
+    """A lease cannot outlive its key's lifecycle: at the end the command is stopped (11)."""
+    with serve(tmp_path, LEASEKEEPER_LIFECYCLE_SECONDS="3") as url:
+        env = cli_env(url, LEASEKEEPER_NAMESPACE=mint(url))
+        started = time.monotonic()
+        done = subprocess.run(
+            [LEASEKEEPER, "run", "--key", "long", "--ttl", "30", "--grace", "1", "--",
+             "sleep", "30"],
+            env=env, capture_output=True, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 11, done.stderr
+    assert time.monotonic() - started < 20
+    report = orjson.loads(done.stderr.splitlines()[-1])
+    assert report["status"] == "lost"
+    assert "lifecycle" in report["error"]
+    assert report["command"] == "stopped with SIGTERM"
+
+
+def readme_blocks(section: str, language: str) -> list[str]:
+    text = README.read_text(encoding="utf-8")
+    start = text.index(f"<!-- section: {section} (issue 5) -->")
+    end = text.index("<!-- section:", start + 1)
+    return re.findall(rf"```{language}\n(.*?)```", text[start:end], re.DOTALL)
+
+
+def test_readme_python_examples_run(
+    server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's Python blocks run as written (only the server URL is replaced)."""
+    blocks = readme_blocks("client", "python")
+    assert len(blocks) == 4
+    monkeypatch.chdir(tmp_path)
+    scope: dict[str, Any] = {"__name__": "readme"}
+    for block in blocks:
+        assert README_URL in block or "LeaseClient(" not in block
+        exec(compile(block.replace(README_URL, server), "README.md", "exec"), scope)  # noqa: S102
+    assert scope["receipt"]["receipt_id"] == 4817
+    rows = scope["db"].execute("SELECT status FROM invoices WHERE id = 4817").fetchall()
+    assert rows == [("paid",)]
+    assert scope["guard"].current("invoice:4817") is not None
+    scope["db"].close()
+    scope["client"].close()
+
+
+def test_readme_shell_example_runs(server: str, tmp_path: Path) -> None:
+    """The README's shell block runs under bash -e; the report job runs once."""
+    (block,) = readme_blocks("cli", "sh")
+    assert README_URL in block
+    script = tmp_path / "example.sh"
+    script.write_text(block.replace(README_URL, server))
+    report = tmp_path / "make-report.sh"
+    report.write_text("#!/bin/sh\necho report >> reports.log\n")
+    report.chmod(0o755)
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", str(script)],
+        cwd=tmp_path,
+        env=cli_env(server),
+        capture_output=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "reports.log").read_text() == "report\n"
+    skipped = orjson.loads(done.stdout.splitlines()[-1])
+    assert skipped["skipped"] is True
+    assert (tmp_path / "ns.json").stat().st_mode & 0o077 == 0  # umask 077
+    assert orjson.loads((tmp_path / "lease.json").read_text())["status"] == "held"

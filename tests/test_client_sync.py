@@ -1,0 +1,574 @@
+"""The sync client against the real app in-process: operations, errors, held leases, once."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+import pytest
+
+from leasekeeper import (
+    FakeClock,
+    FingerprintConflict,
+    InternalError,
+    InvalidRequest,
+    LeaseClient,
+    LeaseHeld,
+    LeaseLost,
+    NotFound,
+    PayloadTooLarge,
+    RateLimited,
+    ServiceUnavailable,
+    ServiceUnreachable,
+)
+from leasekeeper.client import Completed, HeldLease, Lease, Released, RenewalWorker
+from tests.client_fakes import BASE_URL, FakeTime, ManualThread, bridge
+
+KEY = "invoice:2026-09-05"
+
+
+@pytest.fixture
+def fake_time(clock: FakeClock) -> FakeTime:
+    return FakeTime(clock)
+
+
+def make_client(api: Any, fake_time: FakeTime, **kwargs: Any) -> LeaseClient:
+    return LeaseClient(
+        BASE_URL,
+        transport=bridge(api, kwargs.pop("fault", None)),
+        monotonic=fake_time.monotonic,
+        event_factory=fake_time.event,
+        thread_factory=ManualThread,
+        random=lambda: 0.0,
+        **kwargs,
+    )
+
+
+@pytest.fixture
+def client(api: Any, fake_time: FakeTime) -> Iterator[LeaseClient]:
+    with make_client(api, fake_time) as client:
+        yield client
+
+
+@pytest.fixture
+def namespace(client: LeaseClient) -> str:
+    return client.create_namespace()
+
+
+def worker_of(lease: HeldLease) -> RenewalWorker:
+    assert lease.renewer is not None
+    return lease.renewer
+
+
+# -- the five operations ----------------------------------------------------------------------
+
+
+def test_create_namespace_returns_the_secret(client: LeaseClient) -> None:
+    """create_namespace returns a fresh ns_ secret."""
+    namespace = client.create_namespace()
+    assert namespace.startswith("ns_")
+    assert len(namespace) == 46
+    assert client.create_namespace() != namespace
+
+
+def test_acquire_renew_release_round_trip(client: LeaseClient, namespace: str) -> None:
+    """acquire, renew and release return typed records read from the service's bodies."""
+    lease = client.acquire(namespace, KEY, ttl=60, fingerprint="charge-order-501")
+    assert isinstance(lease, Lease)
+    assert lease.owner_token.startswith("own_")
+    assert lease.ttl_seconds == 60
+    assert lease.lease_expires_at == datetime(2026, 9, 5, 10, 1, tzinfo=UTC)
+    assert lease.absolute_expires_at == datetime(2026, 9, 6, 10, 0, tzinfo=UTC)
+    assert lease.lease_expires_at_timestamp == 1_788_602_460
+    assert lease.owner_token not in repr(lease)
+
+    renewed = client.renew(namespace, KEY, lease.owner_token, ttl=120)
+    assert renewed.fencing_token == lease.fencing_token
+    assert renewed.owner_token == lease.owner_token
+    assert renewed.lease_expires_at - lease.lease_expires_at == timedelta(seconds=60)
+
+    released = client.release(namespace, KEY, lease.owner_token)
+    assert released == Released(fencing_token=lease.fencing_token, body=released.body)
+    again = client.acquire(namespace, KEY, fingerprint="charge-order-501")
+    assert isinstance(again, Lease)
+    assert again.fencing_token > lease.fencing_token
+
+
+def test_complete_then_acquire_returns_the_stored_result(
+    client: LeaseClient, namespace: str
+) -> None:
+    """complete stores the redacted result; a later acquire gets it back as Completed."""
+    lease = client.acquire(namespace, KEY, fingerprint="f")
+    assert isinstance(lease, Lease)
+    done = client.complete(namespace, KEY, lease.owner_token, {"receipt_id": 4817, "api_key": "x"})
+    assert done.result == {"receipt_id": 4817, "api_key": "[redacted]"}
+    assert done.completed_at == datetime(2026, 9, 5, 10, 0, tzinfo=UTC)
+    again = client.acquire(namespace, KEY, fingerprint="f")
+    assert isinstance(again, Completed)
+    assert again.result == done.result
+    assert again.fencing_token == lease.fencing_token
+
+
+def test_refusals_raise_the_classes_of_the_one_tree(client: LeaseClient, namespace: str) -> None:
+    """Held, conflict, lost, invalid and too_large come back as their exception classes."""
+    lease = client.acquire(namespace, KEY, ttl=30, fingerprint="a")
+    assert isinstance(lease, Lease)
+    with pytest.raises(LeaseHeld) as held:
+        client.acquire(namespace, KEY, fingerprint="a")
+    assert held.value.retry_after_seconds == 30
+    assert held.value.fencing_token == lease.fencing_token
+    assert held.value.lease_expires_at == "2026-09-05T10:00:30Z"
+    with pytest.raises(FingerprintConflict) as conflict:
+        client.acquire(namespace, KEY, fingerprint="b")
+    assert conflict.value.absolute_expires_at == "2026-09-06T10:00:00Z"
+    with pytest.raises(LeaseLost):
+        client.renew(namespace, KEY, "own_" + "A" * 43)
+    with pytest.raises(InvalidRequest, match="ttl_seconds"):
+        client.acquire(namespace, "other", ttl=0)
+    with pytest.raises(PayloadTooLarge):
+        client.complete(namespace, KEY, lease.owner_token, "x" * 40_000)
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "headers", "expected", "retry_after"),
+    [
+        (503, b'{"ok":false,"status":"unavailable","error":"down"}', {"retry-after": "4"},
+         ServiceUnavailable, 4),
+        (503, b"<html>bad gateway</html>", {"retry-after": "7"}, ServiceUnavailable, 7),
+        (429, b'{"ok":false,"status":"rate_limited","error":"slow","retry_after_seconds":3}',
+         {"retry-after": "3"}, RateLimited, 3),
+        (500, b'{"ok":false,"status":"internal","error":"Internal error"}', {}, InternalError,
+         None),
+        (404, b"not json", {}, NotFound, None),
+        (200, b'{"ok":false}', {}, InternalError, None),
+        (418, b"", {}, InvalidRequest, None),
+    ],
+)  # fmt: skip
+def test_any_response_becomes_a_specific_error(
+    api: Any,
+    fake_time: FakeTime,
+    status: int,
+    body: bytes,
+    headers: dict[str, str],
+    expected: type[Exception],
+    retry_after: int | None,
+) -> None:
+    """A non-2xx response, ours or a proxy's, is one specific class; Retry-After is honoured."""
+    client = make_client(
+        api, fake_time, fault=lambda request: httpx.Response(status, content=body, headers=headers)
+    )
+    with pytest.raises(expected) as raised:
+        client.acquire(None, "k" * 40)
+    assert type(raised.value) is expected
+    if retry_after is not None:
+        assert raised.value.retry_after == retry_after  # type: ignore[attr-defined]
+
+
+def test_no_answer_is_service_unreachable(api: Any, fake_time: FakeTime) -> None:
+    """A connection error becomes ServiceUnreachable, a ServiceUnavailable, chained."""
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    client = make_client(api, fake_time, fault=refuse)
+    with pytest.raises(ServiceUnreachable) as raised:
+        client.create_namespace()
+    assert isinstance(raised.value, ServiceUnavailable)
+    assert raised.value.status == "unreachable"
+    assert isinstance(raised.value.__cause__, httpx.ConnectError)
+
+
+def test_injected_httpx_client_and_url_with_base_path(api: Any) -> None:
+    """An injected httpx.Client is used as given, and a URL may include /services/v1."""
+    with httpx.Client(base_url=BASE_URL, transport=bridge(api)) as http:
+        assert LeaseClient(client=http).create_namespace().startswith("ns_")
+        with_path = LeaseClient(f"{BASE_URL}/services/v1/", client=http)
+        assert with_path.create_namespace().startswith("ns_")
+    with pytest.raises(TypeError):
+        LeaseClient(client=http, transport=bridge(api))
+
+
+def test_starlette_testclient_can_be_injected_too(api: Any, fake_time: FakeTime) -> None:
+    """Starlette's TestClient (an httpx2.Client, not an httpx.Client) works duck-typed."""
+    client = LeaseClient(
+        client=api.client, monotonic=fake_time.monotonic, event_factory=fake_time.event,
+        thread_factory=ManualThread,
+    )  # fmt: skip
+    namespace = client.create_namespace()
+    with client.lease(namespace, KEY, ttl=30) as lease:
+        assert lease.renewer is not None
+        assert lease.renewer.step()
+    assert isinstance(client.acquire(namespace, KEY), Lease)
+
+
+# -- waiting for a held key -------------------------------------------------------------------
+
+
+def test_acquire_waits_with_backoff_until_the_lease_expires(
+    client: LeaseClient, namespace: str, fake_time: FakeTime
+) -> None:
+    """Waiting doubles from 0.25 s, capped by Retry-After, until the holder's lease expires."""
+    first = client.acquire(namespace, KEY, ttl=2)
+    assert isinstance(first, Lease)
+    told: list[tuple[str, float]] = []
+    second = client.acquire(
+        namespace,
+        KEY,
+        ttl=2,
+        wait=timedelta(seconds=10),
+        on_wait=lambda error, delay: told.append((error.status, delay)),
+    )
+    assert isinstance(second, Lease)
+    assert second.fencing_token > first.fencing_token
+    assert fake_time.waits == [0.25, 0.5, 1.0, 1.0]
+    assert told == [("held", 0.25), ("held", 0.5), ("held", 1.0), ("held", 1.0)]
+
+
+def test_acquire_raises_lease_held_when_the_wait_is_over(
+    client: LeaseClient, namespace: str, fake_time: FakeTime
+) -> None:
+    """With the wait exhausted the last LeaseHeld is raised; the last try is at the deadline."""
+    client.acquire(namespace, KEY, ttl=60)
+    with pytest.raises(LeaseHeld):
+        client.acquire(namespace, KEY, wait=3)
+    assert sum(w for w in fake_time.waits if w) == pytest.approx(3.0)
+    with pytest.raises(LeaseHeld):
+        client.acquire(namespace, KEY)  # no wait: one try
+
+
+# -- held leases ------------------------------------------------------------------------------
+
+
+def test_lease_block_holds_then_releases(client: LeaseClient, namespace: str) -> None:
+    """A lease block acquires, exposes the fence, starts the worker and releases on exit."""
+    with client.lease(namespace, KEY, ttl=30) as lease:
+        assert lease.fencing_token > 0
+        lease.check()
+        assert not lease.lost.is_set()
+        assert ManualThread.instances[-1].started
+        assert "held" in repr(lease)
+    assert worker_of(lease).stopped
+    after = client.acquire(namespace, KEY)
+    assert isinstance(after, Lease)
+    assert after.fencing_token > lease.fencing_token
+    with pytest.raises(LeaseLost):
+        lease.check()
+
+
+def test_lease_block_that_raises_still_releases(client: LeaseClient, namespace: str) -> None:
+    """An exception in the block propagates, and the lease is released all the same."""
+    with pytest.raises(RuntimeError, match="boom"), client.lease(namespace, KEY):
+        raise RuntimeError("boom")
+    assert isinstance(client.acquire(namespace, KEY), Lease)
+
+
+def test_lease_on_a_completed_key_returns_the_result(client: LeaseClient, namespace: str) -> None:
+    """A completed key gives completed=True and the stored result; nothing renews or releases."""
+    with client.lease(namespace, KEY, fingerprint="f") as lease:
+        assert lease.complete({"n": 1, "password": "hunter2"}) == {"n": 1, "password": "[redacted]"}
+    threads = len(ManualThread.instances)
+    with client.lease(namespace, KEY, fingerprint="f") as again:
+        assert again.completed
+        assert again.result == {"n": 1, "password": "[redacted]"}
+        assert again.fencing_token == lease.fencing_token
+        assert again.renewer is None
+        with pytest.raises(LeaseLost, match="completed"):
+            again.check()
+    assert len(ManualThread.instances) == threads
+
+
+def test_renewal_runs_at_a_third_of_the_ttl(
+    client: LeaseClient, namespace: str, fake_time: FakeTime
+) -> None:
+    """Each worker turn waits ttl/3 on its event (fake time) and moves the service's expiry."""
+    with client.lease(namespace, KEY, ttl=30) as lease:
+        worker = worker_of(lease)
+        assert lease.grant is not None
+        expiry = lease.grant.lease_expires_at_timestamp
+        fake_time.waits.clear()
+        assert worker.step()
+        assert worker.step()
+        assert fake_time.waits == [10.0, 10.0]
+        assert worker.renewals == 2
+        assert lease.grant.lease_expires_at_timestamp == expiry + 20
+        lease.check()
+    assert not worker.step()  # stopped with the block
+
+
+def test_a_renewal_request_never_waits_past_the_lease(
+    api: Any, fake_time: FakeTime, namespace: str
+) -> None:
+    """On its own httpx client, a renewal's timeout is cut to the time the lease has left."""
+    timeouts: list[Any] = []
+
+    def record(request: httpx.Request) -> None:
+        if request.url.path.endswith("/renew"):
+            timeouts.append(request.extensions["timeout"]["read"])
+
+    client = make_client(api, fake_time, fault=record)
+    with client.lease(namespace, KEY, ttl=3) as lease:
+        assert worker_of(lease).step()  # at t=1: 2 s left
+    with client.lease(namespace, KEY, ttl=60) as lease:
+        assert worker_of(lease).step()  # at t=20: 40 s left, the client's 10 s apply
+    assert timeouts == [pytest.approx(2.0), 10.0]
+
+
+def test_server_taking_the_lease_away_sets_lost(
+    api: Any, fake_time: FakeTime, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """When the lease expired on the service and another took it, the renewal says lost.
+
+    The client's clock is its own here (the process was paused, say), so only the
+    service's answer can tell it that ownership ended.
+    """
+    own_time = FakeTime(FakeClock())
+    client = make_client(api, own_time)
+    told: list[LeaseLost] = []
+    with client.lease(namespace, KEY, ttl=30, on_lost=told.append) as lease:
+        fake_time.clock.advance(31)  # the service's clock: the lease has expired
+        other = make_client(api, fake_time).acquire(namespace, KEY)
+        assert isinstance(other, Lease)
+        assert other.fencing_token > lease.fencing_token
+        with caplog.at_level(logging.WARNING, logger="leasekeeper.client"):
+            assert not worker_of(lease).step()
+        assert lease.lost.is_set()
+        assert len(told) == 1
+        assert isinstance(lease.lost_error, LeaseLost)
+        assert "does not match the current owner" in lease.lost_error.error
+        with pytest.raises(LeaseLost):
+            lease.check()
+        with pytest.raises(LeaseLost):
+            lease.complete("too late")
+        assert "lost" in repr(lease)
+    assert any("lease lost" in r.message for r in caplog.records)
+    assert all(namespace not in r.message for r in caplog.records)
+    # Exiting did not disturb the new owner.
+    client.renew(namespace, KEY, other.owner_token)
+
+
+def test_unavailability_until_the_expiry_marks_the_lease_lost(
+    api: Any, fake_time: FakeTime, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Renewals failing with 503 are retried sooner, and past the expiry the lease is lost."""
+    down = threading.Event()
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        if down.is_set() and request.url.path.endswith("/renew"):
+            return httpx.Response(
+                503, json={"ok": False, "status": "unavailable", "error": "down"},
+                headers={"retry-after": "1"},
+            )  # fmt: skip
+        return None
+
+    client = make_client(api, fake_time, fault=fault)
+    told: list[LeaseLost] = []
+    with client.lease(namespace, KEY, ttl=30, on_lost=told.append) as lease:
+        worker = worker_of(lease)
+        down.set()
+        start = fake_time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="leasekeeper.client"):
+            turns = 0
+            while worker.step():
+                turns += 1
+                assert turns < 100
+        assert lease.lost.is_set()
+        assert fake_time.monotonic() - start == pytest.approx(30, abs=0.01)
+        assert len(told) == 1
+        assert "expired before a renewal succeeded" in told[0].error
+        assert worker.plan.failures == turns
+    retries = [r for r in caplog.records if "retrying in" in r.message]
+    assert len(retries) == turns
+    assert any(r.levelno == logging.WARNING and "lease lost" in r.message for r in caplog.records)
+
+
+def test_renewal_stops_at_the_end_of_the_lifecycle(
+    make_api: Any, fake_time: FakeTime, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Near the lifecycle end the grant shrinks; the worker stops and reports lost at the end."""
+    api = make_api(lifecycle_seconds=40)
+    client = make_client(api, fake_time)
+    namespace = client.create_namespace()
+    with client.lease(namespace, KEY, ttl=30) as lease:
+        worker = worker_of(lease)
+        start = fake_time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="leasekeeper.client"):
+            assert worker.step()  # t=10: granted 30 (to t=40)
+            assert not worker.plan.final
+            assert worker.step()  # t=20: granted 20, capped by the lifecycle
+            assert worker.plan.final
+            assert not worker.step()  # t=40: over
+        assert fake_time.monotonic() - start == pytest.approx(40)
+        assert lease.lost.is_set()
+        assert lease.lost_error is not None
+        assert "lifecycle" in lease.lost_error.error
+    assert any("cannot be renewed" in r.message for r in caplog.records)
+
+
+def test_a_late_renewal_is_logged(
+    client: LeaseClient, namespace: str, fake_time: FakeTime, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A turn that wakes well after it was due logs a WARNING and still renews."""
+    with client.lease(namespace, KEY, ttl=30) as lease:
+        fake_time.oversleep = 8.0
+        with caplog.at_level(logging.WARNING, logger="leasekeeper.client"):
+            assert worker_of(lease).step()
+        assert not lease.lost.is_set()
+    assert any("late" in r.message for r in caplog.records)
+
+
+def test_the_worker_holds_the_lease_weakly(client: LeaseClient, namespace: str) -> None:
+    """A lease object nobody holds is not renewed: its worker ends at the next turn."""
+    lease = client.lease(namespace, KEY, ttl=30).__enter__()
+    worker = worker_of(lease)
+    del lease
+    gc.collect()
+    assert not worker.step()
+    assert worker.renewals == 0
+
+
+def test_check_raises_once_the_local_estimate_has_expired(
+    client: LeaseClient, namespace: str, fake_time: FakeTime
+) -> None:
+    """check() trusts no lease past its local expiry estimate, even before the worker ran."""
+    told: list[LeaseLost] = []
+    with client.lease(namespace, KEY, ttl=30, on_lost=told.append) as lease:
+        fake_time.clock.advance(30)
+        with pytest.raises(LeaseLost, match="expired"):
+            lease.check()
+        assert lease.lost.is_set()
+        assert len(told) == 1
+
+
+def test_a_too_large_result_leaves_the_lease_held(client: LeaseClient, namespace: str) -> None:
+    """complete() refused as too large keeps the lease held and renewed; exit releases it."""
+    with client.lease(namespace, KEY, ttl=30) as lease:
+        with pytest.raises(PayloadTooLarge):
+            lease.complete("x" * 40_000)
+        assert not lease.completed
+        assert worker_of(lease).step()
+        lease.check()
+    assert isinstance(client.acquire(namespace, KEY), Lease)
+
+
+def test_release_ends_the_lease_early(client: LeaseClient, namespace: str) -> None:
+    """lease.release() releases before the block ends; exit does nothing more."""
+    with client.lease(namespace, KEY) as lease:
+        lease.release()
+        assert isinstance(client.acquire(namespace, KEY), Lease)
+        with pytest.raises(LeaseLost):
+            lease.check()
+
+
+def test_a_lease_is_entered_once(client: LeaseClient, namespace: str) -> None:
+    """Entering the same HeldLease twice is a programming error."""
+    held = client.lease(namespace, KEY)
+    with held, pytest.raises(RuntimeError):
+        held.__enter__()
+    with pytest.raises(RuntimeError):
+        _ = client.lease(namespace, "other").fencing_token
+
+
+def test_renewal_thread_renews_for_real_and_stops_with_the_block(api: Any, namespace: str) -> None:
+    """With the default thread and event, renewals happen in the background until exit."""
+    renewed = threading.Event()
+    renewals: list[str] = []
+
+    def count(request: httpx.Request) -> None:
+        if request.url.path.endswith("/renew"):
+            renewals.append(request.url.path)
+            if len(renewals) >= 2:
+                renewed.set()
+
+    with LeaseClient(BASE_URL, transport=bridge(api, count)) as client:
+        with client.lease(namespace, KEY, ttl=1) as lease:  # renews every ~0.33 s
+            assert renewed.wait(5)
+        worker = worker_of(lease)
+        assert worker.stopped
+        assert not worker._thread.is_alive()
+        assert not lease.lost.is_set()
+        count_at_exit = len(renewals)
+        assert isinstance(client.acquire(namespace, KEY), Lease)  # released
+        assert len(renewals) == count_at_exit
+
+
+# -- once -------------------------------------------------------------------------------------
+
+
+def test_once_runs_the_function_once_and_returns_the_stored_result(
+    client: LeaseClient, namespace: str
+) -> None:
+    """The function runs for the first call; later calls get the stored result."""
+    calls: list[int] = []
+
+    @client.once(namespace, key=lambda order: f"charge:{order}", fingerprint=lambda order: "v1")
+    def charge(order: int) -> dict[str, Any]:
+        calls.append(order)
+        return {"order": order, "token": "secret"}
+
+    assert charge(501) == {"order": 501, "token": "[redacted]"}
+    assert charge(501) == {"order": 501, "token": "[redacted]"}
+    assert charge(502) == {"order": 502, "token": "[redacted]"}
+    assert calls == [501, 502]
+    assert charge.__name__ == "charge"
+
+
+def test_once_with_another_fingerprint_is_a_conflict(client: LeaseClient, namespace: str) -> None:
+    """Reusing a key with other input raises FingerprintConflict instead of a stale result."""
+
+    @client.once(namespace, key="nightly", fingerprint=lambda day: day)
+    def report(day: str) -> str:
+        return day
+
+    assert report("monday") == "monday"
+    with pytest.raises(FingerprintConflict):
+        report("tuesday")
+
+
+def test_once_retries_after_the_function_raised(client: LeaseClient, namespace: str) -> None:
+    """A function that raises leaves no result; the next call runs it again."""
+    attempts: list[int] = []
+
+    @client.once(namespace, key="flaky")
+    def flaky() -> int:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise ValueError("first try fails")
+        return len(attempts)
+
+    with pytest.raises(ValueError, match="first try"):
+        flaky()
+    assert flaky() == 2
+    assert flaky() == 2
+
+
+def test_once_across_threads_runs_once(api: Any, namespace: str) -> None:
+    """Concurrent callers wait while the first runs, then all get its stored result."""
+    started = threading.Event()
+    release = threading.Event()
+    calls: list[str] = []
+
+    with LeaseClient(BASE_URL, transport=bridge(api)) as client:
+
+        @client.once(namespace, key="job", ttl=30)
+        def job() -> str:
+            calls.append(threading.current_thread().name)
+            started.set()
+            release.wait(5)
+            return "done"
+
+        results: list[Any] = []
+        first = threading.Thread(target=lambda: results.append(job()), name="first")
+        first.start()
+        assert started.wait(5)
+        second = threading.Thread(target=lambda: results.append(job()), name="second")
+        second.start()
+        release.set()
+        first.join(5)
+        second.join(5)
+    assert results == ["done", "done"]
+    assert calls == ["first"]

@@ -1,0 +1,570 @@
+"""MCP: the five lease tools, driven by the SDK's own client in memory, over
+streamable HTTP against ``leasekeeper serve`` and over stdio against ``leasekeeper mcp``."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+from mcp import Client, StdioServerParameters
+from mcp.client.stdio import stdio_client
+from mcp.shared.exceptions import MCPError
+from mcp.types import CallToolResult
+from starlette.testclient import TestClient
+
+import leasekeeper.mcp
+from leasekeeper import FakeClock, LeaseService, Settings
+from leasekeeper.http import create_app
+from leasekeeper.mcp import TOOL_OPERATIONS, create_mcp_server, streamable_http_mount
+from leasekeeper.store import MemoryStore
+
+TOOL_NAMES = {
+    "create_lease_namespace",
+    "acquire_lease",
+    "renew_lease",
+    "release_lease",
+    "complete_lease",
+}
+FLOW_TIMEOUT = 30
+LEASEKEEPER = Path(sys.executable).with_name("leasekeeper")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def body(result: CallToolResult) -> dict[str, Any]:
+    """The tool's JSON body; the text content must say the same as the structured one."""
+    assert isinstance(result.structured_content, dict)
+    assert len(result.content) == 1
+    text = result.content[0]
+    assert text.type == "text"
+    assert json.loads(text.text) == result.structured_content
+    return result.structured_content
+
+
+def ok(result: CallToolResult) -> dict[str, Any]:
+    assert not result.is_error, result.structured_content
+    reply = body(result)
+    assert reply["ok"] is True
+    return reply
+
+
+def refused(result: CallToolResult, status: str) -> dict[str, Any]:
+    assert result.is_error, result.structured_content
+    reply = body(result)
+    assert reply["ok"] is False
+    assert reply["status"] == status, reply
+    assert isinstance(reply["error"], str)
+    return reply
+
+
+@dataclass
+class Secrets:
+    """Every secret a flow used; none may appear in a server log."""
+
+    values: list[str] = field(default_factory=list)
+
+    def add(self, *values: str) -> None:
+        self.values.extend(values)
+
+
+async def check_tool_list(client: Client) -> None:
+    tools = {tool.name: tool for tool in (await client.list_tools()).tools}
+    assert set(tools) == TOOL_NAMES
+    required = {name: set(tool.input_schema.get("required", [])) for name, tool in tools.items()}
+    assert required == {
+        "create_lease_namespace": set(),
+        "acquire_lease": {"key"},
+        "renew_lease": {"key", "owner_token"},
+        "release_lease": {"key", "owner_token"},
+        "complete_lease": {"key", "owner_token", "result"},
+    }
+    hints = {
+        name: (
+            tool.annotations.read_only_hint,
+            tool.annotations.destructive_hint,
+            tool.annotations.idempotent_hint,
+            tool.annotations.open_world_hint,
+        )
+        for name, tool in tools.items()
+        if tool.annotations is not None
+    }
+    assert hints == {
+        "create_lease_namespace": (True, False, False, False),
+        "acquire_lease": (False, False, False, False),
+        "renew_lease": (False, False, True, False),
+        "release_lease": (False, True, True, False),
+        "complete_lease": (False, True, True, False),
+    }
+
+
+async def full_flow(client: Client, secrets: Secrets) -> None:
+    """namespace, acquire, held by a second agent, renew, complete, reuse, conflict, lost,
+    and invalid input: the outcomes of the HTTP contract."""
+    with anyio.fail_after(FLOW_TIMEOUT):
+        await check_tool_list(client)
+        namespace = ok(await client.call_tool("create_lease_namespace", {}))["namespace"]
+        assert namespace.startswith("ns_")
+        assert len(namespace) == 46
+        key = f"invoice:{namespace[-8:]}"
+        fingerprint = f"charge-order-{namespace[-6:]}"
+        lease = {"namespace": namespace, "key": key}
+
+        granted = ok(
+            await client.call_tool(
+                "acquire_lease", {**lease, "ttl_seconds": 60, "fingerprint": fingerprint}
+            )
+        )
+        assert granted["status"] == "held"
+        assert granted["ttl_seconds"] == 60
+        token = granted["owner_token"]
+        assert token.startswith("own_")
+        fence = granted["fencing_token"]
+        secrets.add(namespace, key, fingerprint, token)
+
+        held = refused(
+            await client.call_tool("acquire_lease", {**lease, "fingerprint": fingerprint}),
+            "held",
+        )
+        assert 1 <= held["retry_after_seconds"] <= 60
+        assert held["fencing_token"] == fence
+        assert held["lease_expires_at"] == granted["lease_expires_at"]
+        assert "owner_token" not in held
+
+        renewed = ok(
+            await client.call_tool(
+                "renew_lease", {**lease, "owner_token": token, "ttl_seconds": 120}
+            )
+        )
+        assert renewed["status"] == "held"
+        assert renewed["fencing_token"] == fence
+        assert "owner_token" not in renewed
+
+        result = {"receipt_id": 4817, "api_key": "sk-live-abc", "lines": [{"Pass-Word": "x"}]}
+        stored = {
+            "receipt_id": 4817,
+            "api_key": "[redacted]",
+            "lines": [{"Pass-Word": "[redacted]"}],
+        }
+        completed = ok(
+            await client.call_tool(
+                "complete_lease", {**lease, "owner_token": token, "result": result}
+            )
+        )
+        assert completed["status"] == "completed"
+        assert completed["result"] == stored
+        assert completed["fencing_token"] == fence
+
+        reused = ok(await client.call_tool("acquire_lease", {**lease, "fingerprint": fingerprint}))
+        assert reused["status"] == "completed"
+        assert reused["result"] == stored
+        assert reused["fencing_token"] == fence
+        assert "owner_token" not in reused
+
+        other = f"{fingerprint}-other"
+        secrets.add(other)
+        conflict = refused(
+            await client.call_tool("acquire_lease", {**lease, "fingerprint": other}), "conflict"
+        )
+        assert "result" not in conflict
+
+        refused(await client.call_tool("renew_lease", {**lease, "owner_token": token}), "lost")
+
+        invalid = refused(
+            await client.call_tool("acquire_lease", {**lease, "ttl_seconds": True}), "invalid"
+        )
+        assert "ttl_seconds" in invalid["error"]
+
+
+def assert_no_secrets(log: str, secrets: Secrets) -> None:
+    assert secrets.values
+    for secret in secrets.values:
+        assert secret not in log
+
+
+@contextlib.asynccontextmanager
+async def running(service: LeaseService) -> AsyncIterator[LeaseService]:
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.stop()
+
+
+@pytest.fixture
+def service(clock: FakeClock) -> LeaseService:
+    return LeaseService(MemoryStore(clock))
+
+
+# -- in memory -------------------------------------------------------------------------------
+
+
+def test_public_api_is_curated() -> None:
+    """leasekeeper.mcp exports exactly what __all__ lists."""
+    public = {name for name in dir(leasekeeper.mcp) if not name.startswith("_")}
+    assert set(leasekeeper.mcp.__all__) == public - {"annotations"}
+    assert set(TOOL_OPERATIONS) == TOOL_NAMES
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+async def test_full_flow_in_memory(service: LeaseService, mode: str) -> None:
+    """Over the SDK's in-process transports (2026 direct dispatch, and the legacy
+    JSON-RPC handshake) the tools give the HTTP contract's outcomes."""
+    async with running(service), Client(create_mcp_server(service), mode=mode) as client:
+        await full_flow(client, Secrets())
+
+
+@pytest.mark.anyio
+async def test_input_schemas_carry_the_spec_bounds(service: LeaseService) -> None:
+    """Every input schema is closed and states the spec's bounds and patterns."""
+    async with Client(create_mcp_server(service)) as client:
+        tools = {tool.name: tool for tool in (await client.list_tools()).tools}
+    for tool in tools.values():
+        assert tool.input_schema["type"] == "object"
+        assert tool.input_schema["additionalProperties"] is False
+        assert tool.description is not None
+        assert len(tool.description) > 200
+    acquire = tools["acquire_lease"].input_schema["properties"]
+    assert acquire["ttl_seconds"] | {"description": ""} == {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": 86400,
+        "description": "",
+    }
+    assert (acquire["fingerprint"]["minLength"], acquire["fingerprint"]["maxLength"]) == (1, 1024)
+    assert (acquire["key"]["minLength"], acquire["key"]["maxLength"]) == (1, 200)
+    assert acquire["namespace"]["pattern"] == "^ns_[A-Za-z0-9_-]{43}$"
+    assert tools["renew_lease"].input_schema["properties"]["owner_token"]["pattern"] == (
+        "^own_[A-Za-z0-9_-]{43}$"
+    )
+    assert "result" in tools["complete_lease"].input_schema["properties"]
+    # What a model must know: the secrets, and what each refusal means.
+    assert "secret" in tools["create_lease_namespace"].description
+    for word in ("held", "completed", "conflict", "retry_after_seconds"):
+        assert word in tools["acquire_lease"].description
+    assert "lost" in tools["renew_lease"].description
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("arguments", "field_name"),
+    [
+        ({"ttl_seconds": True}, "ttl_seconds"),
+        ({"ttl_seconds": "60"}, "ttl_seconds"),
+        ({"ttl_seconds": 1.5}, "ttl_seconds"),
+        ({"ttl_seconds": 0}, "ttl_seconds"),
+        ({"ttl_seconds": 86401}, "ttl_seconds"),
+        ({"fingerprint": ""}, "fingerprint"),
+        ({"fingerprint": "x" * 1025}, "fingerprint"),
+        ({"fingerprnt": "typo"}, "fingerprnt"),
+        ({"namespace": "ns_short"}, "namespace"),
+        ({"key": 5}, "key"),
+        ({"key": "k" * 201}, "key"),
+    ],
+)
+async def test_strict_arguments_are_refused_as_invalid(
+    service: LeaseService, arguments: dict[str, Any], field_name: str
+) -> None:
+    """Wrong types and broken bounds are tool errors with status invalid, as over HTTP."""
+    async with running(service), Client(create_mcp_server(service)) as client:
+        namespace = ok(await client.call_tool("create_lease_namespace", {}))["namespace"]
+        reply = refused(
+            await client.call_tool(
+                "acquire_lease", {"namespace": namespace, "key": "job", **arguments}
+            ),
+            "invalid",
+        )
+    assert field_name in reply["error"]
+
+
+@pytest.mark.anyio
+async def test_tree_checks_apply_to_arguments(service: LeaseService) -> None:
+    """Nesting deeper than 64 levels and lone surrogates are invalid, as in an HTTP body."""
+    deep: Any = 0
+    for _ in range(64):
+        deep = [deep]
+    async with running(service), Client(create_mcp_server(service)) as client:
+        namespace = ok(await client.call_tool("create_lease_namespace", {}))["namespace"]
+        lease = {"namespace": namespace, "key": "job"}
+        token = ok(await client.call_tool("acquire_lease", lease))["owner_token"]
+        refused(
+            await client.call_tool(
+                "complete_lease", {**lease, "owner_token": token, "result": deep}
+            ),
+            "invalid",
+        )
+        refused(
+            await client.call_tool("acquire_lease", {**lease, "fingerprint": "a\ud800b"}),
+            "invalid",
+        )
+        # The lease is untouched by the refused calls: it can still complete.
+        ok(await client.call_tool("complete_lease", {**lease, "owner_token": token, "result": 1}))
+
+
+@pytest.mark.anyio
+async def test_too_large_result_leaves_the_lease(service: LeaseService) -> None:
+    """A result over 32,768 bytes is a too_large tool error and the owner keeps the lease."""
+    async with running(service), Client(create_mcp_server(service)) as client:
+        namespace = ok(await client.call_tool("create_lease_namespace", {}))["namespace"]
+        lease = {"namespace": namespace, "key": "job"}
+        token = ok(await client.call_tool("acquire_lease", lease))["owner_token"]
+        big = {**lease, "owner_token": token, "result": "x" * 40_000}
+        refused(await client.call_tool("complete_lease", big), "too_large")
+        ok(await client.call_tool("release_lease", {**lease, "owner_token": token}))
+
+
+@pytest.mark.anyio
+async def test_time_is_the_service_clock(service: LeaseService, clock: FakeClock) -> None:
+    """retry_after_seconds counts down on the fake clock; after expiry the old owner is lost
+    and the next acquire gets a higher fencing token."""
+    async with running(service), Client(create_mcp_server(service)) as client:
+        namespace = ok(await client.call_tool("create_lease_namespace", {}))["namespace"]
+        lease = {"namespace": namespace, "key": "invoice:2026-09-05"}
+        first = ok(await client.call_tool("acquire_lease", {**lease, "ttl_seconds": 60}))
+        clock.advance(17)
+        held = refused(await client.call_tool("acquire_lease", lease), "held")
+        assert held["retry_after_seconds"] == 43
+        clock.advance(43)
+        refused(
+            await client.call_tool("renew_lease", {**lease, "owner_token": first["owner_token"]}),
+            "lost",
+        )
+        second = ok(await client.call_tool("acquire_lease", lease))
+        assert second["fencing_token"] > first["fencing_token"]
+        released = ok(
+            await client.call_tool("release_lease", {**lease, "owner_token": second["owner_token"]})
+        )
+        assert released == {"ok": True, "status": "released", "fencing_token": 2}
+
+
+def deterministic_random() -> Callable[[int], bytes]:
+    counter = itertools.count()
+    return lambda n: hashlib.sha256(str(next(counter)).encode()).digest()[:n]
+
+
+@pytest.mark.anyio
+async def test_same_bodies_as_http(clock: FakeClock) -> None:
+    """Step by step, each tool returns exactly the HTTP body, and is an error exactly when
+    HTTP answers 4xx."""
+    http_service = LeaseService(MemoryStore(clock), random_bytes=deterministic_random())
+    mcp_service = LeaseService(MemoryStore(clock), random_bytes=deterministic_random())
+    app = create_app(http_service, Settings(), run_cleanup=False)
+    routes = {
+        "namespace": "/lease/namespace",
+        "acquire": "/lease",
+        "renew": "/lease/renew",
+        "release": "/lease/release",
+        "complete": "/lease/complete",
+    }
+    tool_of = {operation: tool for tool, operation in TOOL_OPERATIONS.items()}
+    with TestClient(app) as http:
+        async with running(mcp_service), Client(create_mcp_server(mcp_service)) as client:
+
+            async def both(operation: str, **arguments: Any) -> dict[str, Any]:
+                response = http.post(f"/services/v1{routes[operation]}", json=arguments)
+                result = await client.call_tool(tool_of[operation], arguments)
+                assert body(result) == response.json()
+                assert result.is_error == (response.status_code >= 400)
+                return dict(response.json())
+
+            ns = (await both("namespace"))["namespace"]
+            lease = {"namespace": ns, "key": "report:2026-09"}
+            token = (await both("acquire", **lease, fingerprint="a", ttl_seconds=30))["owner_token"]
+            clock.advance(10.5)
+            await both("acquire", **lease, fingerprint="a")
+            await both("acquire", **lease)
+            await both("renew", **lease, owner_token=token, ttl_seconds=90)
+            await both("release", **lease, owner_token=token)
+            token = (await both("acquire", **lease, fingerprint="a"))["owner_token"]
+            await both("complete", **lease, owner_token=token, result={"token": 1, "n": [1.5]})
+            await both("acquire", **lease, fingerprint="a")
+            await both("acquire", **lease, fingerprint="b")
+            await both("complete", **lease, owner_token=token, result=None)
+            await both("acquire", key="too-short")
+            await both("renew", **lease, owner_token="own_nope")
+
+
+@pytest.mark.anyio
+async def test_unexpected_errors_are_internal_and_logged_without_arguments(
+    service: LeaseService, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An unforeseen exception is an internal tool error; the log has the traceback but
+    not the arguments."""
+
+    async def broken(operation: str, data: Any) -> Any:
+        raise RuntimeError("store exploded")
+
+    monkeypatch.setattr(service, "handle", broken)
+    secret_key = "invoice:very-secret-key"
+    with caplog.at_level(logging.ERROR, logger="leasekeeper.mcp"):
+        async with Client(create_mcp_server(service)) as client:
+            reply = refused(
+                await client.call_tool("acquire_lease", {"key": secret_key}), "internal"
+            )
+    assert reply == {"ok": False, "status": "internal", "error": "Internal error"}
+    assert "store exploded" in caplog.text
+    assert secret_key not in caplog.text
+
+
+@pytest.mark.anyio
+async def test_unknown_tool_is_a_protocol_error(service: LeaseService) -> None:
+    """Calling a tool that does not exist is an MCP error, not a tool result."""
+    async with Client(create_mcp_server(service)) as client:
+        with pytest.raises(MCPError, match="Unknown tool"):
+            await client.call_tool("delete_everything", {})
+
+
+# -- /mcp in the HTTP app, in process --------------------------------------------------------
+
+_INITIALIZE = {
+    "jsonrpc": "2.0",
+    "id": 1,
+    "method": "initialize",
+    "params": {
+        "protocolVersion": "2025-06-18",
+        "capabilities": {},
+        "clientInfo": {"name": "test", "version": "1"},
+    },
+}
+_MCP_HEADERS = {"accept": "application/json, text/event-stream"}
+
+
+@pytest.fixture
+def app_with_mcp(clock: FakeClock) -> Iterator[TestClient]:
+    service = LeaseService(MemoryStore(clock))
+    settings = Settings()
+    mount = streamable_http_mount(service, settings)
+    app = create_app(
+        service,
+        settings,
+        run_cleanup=False,
+        extra_routes=mount.routes,
+        lifespan_hooks=mount.lifespan_hooks,
+    )
+    with TestClient(app, base_url="http://127.0.0.1:8787") as client:
+        yield client
+
+
+def test_mcp_route_keeps_the_api_guarantees(app_with_mcp: TestClient) -> None:
+    """/mcp answers POSTs with stateless JSON and the API's security headers, beside a
+    working API; GET and DELETE are 405."""
+    response = app_with_mcp.post("/mcp", json=_INITIALIZE, headers=_MCP_HEADERS)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("application/json")
+    assert response.headers["cache-control"] == "no-store"
+    assert response.headers["x-content-type-options"] == "nosniff"
+    assert "mcp-session-id" not in response.headers
+    assert response.json()["result"]["serverInfo"]["name"] == "leasekeeper"
+    minted = app_with_mcp.post("/services/v1/lease/namespace", json={})
+    assert minted.status_code == 201
+    # Stateless: no standalone SSE stream to open, no session to delete.
+    for method in ("GET", "DELETE"):
+        refused = app_with_mcp.request(method, "/mcp", headers=_MCP_HEADERS)
+        assert refused.status_code == 405
+        assert refused.json()["status"] == "method_not_allowed"
+
+
+def test_mcp_route_limits_bodies_and_hosts(app_with_mcp: TestClient) -> None:
+    """/mcp refuses bodies over the API's 64 KiB limit, and foreign Host headers on loopback."""
+    big = {**_INITIALIZE, "params": {**_INITIALIZE["params"], "pad": "x" * 70_000}}
+    too_large = app_with_mcp.post("/mcp", json=big, headers=_MCP_HEADERS)
+    assert too_large.status_code == 413
+    rebinding = app_with_mcp.post(
+        "/mcp", json=_INITIALIZE, headers={**_MCP_HEADERS, "host": "evil.example"}
+    )
+    assert rebinding.status_code == 421
+
+
+# -- real transports: subprocesses -----------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serve(tmp_path: Path, log: Path) -> Iterator[str]:
+    """``leasekeeper serve`` on a free port with DEBUG logs to ``log``; yields its base URL."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEKEEPER_")}
+    env["LEASEKEEPER_LOG_LEVEL"] = "DEBUG"
+    command = [str(LEASEKEEPER), "serve", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--store", f"sqlite:///{tmp_path}/x.db"]
+    with log.open("w") as stderr:
+        process = subprocess.Popen(command, stderr=stderr, stdout=stderr, env=env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + FLOW_TIMEOUT
+        while True:
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "leasekeeper serve did not start"
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{base}/healthz").status_code == 200:
+                    break
+            time.sleep(0.05)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_streamable_http_against_leasekeeper_serve(tmp_path: Path) -> None:
+    """The flow over real streamable HTTP at /mcp, for 2026 and handshake-era clients;
+    the server's DEBUG log holds none of the secrets."""
+    log = tmp_path / "serve.log"
+    secrets = Secrets()
+    with serve(tmp_path, log) as base:
+        for mode in ("auto", "legacy"):
+            async with Client(f"{base}/mcp", mode=mode) as client:
+                await full_flow(client, secrets)
+    assert_no_secrets(log.read_text(), secrets)
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_stdio_against_leasekeeper_mcp(tmp_path: Path) -> None:
+    """The flow over stdio against ``leasekeeper mcp``; its stderr (DEBUG) holds none of
+    the secrets."""
+    log = tmp_path / "stdio.log"
+    secrets = Secrets()
+    params = StdioServerParameters(
+        command=str(LEASEKEEPER),
+        args=["mcp", "--store", f"sqlite:///{tmp_path}/y.db"],
+        env={"LEASEKEEPER_LOG_LEVEL": "DEBUG"},
+    )
+    with log.open("w") as errlog:
+        for mode in ("auto", "legacy"):
+            async with Client(stdio_client(params, errlog=errlog), mode=mode) as client:
+                await full_flow(client, secrets)
+    text = log.read_text()
+    assert "MCP on stdio" in text
+    assert_no_secrets(text, secrets)

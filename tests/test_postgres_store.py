@@ -1,0 +1,628 @@
+"""What only the PostgreSQL store has: its schema, session settings, clock and failure modes.
+
+The behaviour every store shares is in ``test_conformance.py``. Outages are made
+with a TCP relay between the store and the server (``Relay``) that a test can cut
+or blackhole, and with ``pg_terminate_backend`` and table locks on the real server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import quote, urlencode, urlsplit, urlunsplit
+
+import pytest
+
+from leasekeeper import ServiceUnavailable
+from leasekeeper._core.model import Acquire, Complete, CompletedOutcome, Granted, Renew, Renewed
+from leasekeeper.store import Store, StoreURLError, open_store
+from tests.conftest import StoreFactory, new_schema_name, postgres_url
+
+psycopg = pytest.importorskip("psycopg")
+pytestmark = pytest.mark.postgres
+
+TTL = 60_000
+LIFECYCLE = 86_400_000
+
+
+@pytest.fixture
+def url() -> str:
+    found = postgres_url()
+    if found is None:
+        pytest.skip("PostgreSQL tests need LEASEKEEPER_TEST_POSTGRES_URL (make test sets it)")
+    return found
+
+
+def admin(url: str) -> Any:
+    return psycopg.connect(url, autocommit=True, connect_timeout=5)
+
+
+def new_id() -> bytes:
+    return secrets.token_bytes(32)
+
+
+def acquire(key: bytes | None = None, owner: bytes | None = None, **fields: Any) -> Acquire:
+    return Acquire(
+        key or new_id(),
+        fields.get("fingerprint"),
+        fields.get("ttl_ms", TTL),
+        owner or new_id(),
+        fields.get("lifecycle_ms", LIFECYCLE),
+    )
+
+
+@contextlib.asynccontextmanager
+async def opened(store: Store) -> AsyncIterator[Any]:
+    await store.open()
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+def create_schema(store: Store) -> None:
+    """Open and close ``store`` once, leaving its schema behind."""
+
+    async def main() -> None:
+        async with opened(store):
+            pass
+
+    asyncio.run(main())
+
+
+def url_with(url: str, *, port: int | None = None, **params: str) -> str:
+    """``url`` with another port on 127.0.0.1, and more query parameters."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if port is not None:
+        netloc = netloc.rpartition("@")[0] + "@" if "@" in netloc else ""
+        netloc += f"127.0.0.1:{port}"
+    query = "&".join(filter(None, [parts.query, urlencode(params, quote_via=quote)]))
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+# -- URLs and schema -------------------------------------------------------------------------
+
+
+def test_open_store_builds_a_postgres_store_for_both_schemes(url: str) -> None:
+    """``postgresql://`` and ``postgres://`` both choose the PostgreSQL store."""
+    from leasekeeper.store._postgres import PostgresStore
+
+    assert isinstance(open_store("postgresql://u@db.example/leases"), PostgresStore)
+    assert isinstance(open_store("POSTGRES://u@db.example/leases"), PostgresStore)
+
+
+def test_a_malformed_url_is_refused_without_repeating_it() -> None:
+    """A URL that does not parse is a StoreURLError that does not echo a password."""
+    pytest.importorskip("psycopg")
+    with pytest.raises(StoreURLError) as caught:
+        open_store("postgresql://user:hunter2@[::1/db?nonsense_parameter=1")
+    assert "hunter2" not in str(caught.value)
+
+
+def test_concurrent_starts_create_one_schema(make_store: StoreFactory, url: str) -> None:
+    """Several instances opening a fresh schema at once all succeed and share one counter."""
+
+    async def main() -> None:
+        first = make_store("postgres", clock=None)
+        others = [make_store("postgres", like=first, clock=None) for _ in range(3)]
+        stores = [first, *others]
+        await asyncio.gather(*(s.open() for s in stores))
+        try:
+            decisions = await asyncio.gather(*(s.apply(acquire()) for s in stores))
+            fences = sorted(
+                d.outcome.record.fencing_token for d in decisions if isinstance(d.outcome, Granted)
+            )
+            assert fences == [1, 2, 3, 4]
+        finally:
+            await asyncio.gather(*(s.close() for s in stores))
+
+    asyncio.run(main())
+
+
+def test_schema_keeps_digests_as_bytea_times_as_bigint_results_as_text(
+    make_store: StoreFactory, url: str
+) -> None:
+    """Column types match the SQLite store's, results are text, the fence sequence has CACHE 1."""
+    store = make_store("postgres")
+    create_schema(store)
+    schema = store.schema  # type: ignore[attr-defined]
+    with admin(url) as conn:
+        columns = dict(
+            conn.execute(
+                "SELECT column_name, data_type FROM information_schema.columns "
+                "WHERE table_schema = %s AND table_name = 'leasekeeper_leases'",
+                (schema,),
+            ).fetchall()
+        )
+        cache = conn.execute(
+            "SELECT cache_size, cycle FROM pg_sequences WHERE schemaname = %s "
+            "AND sequencename = 'leasekeeper_fence'",
+            (schema,),
+        ).fetchone()
+    assert columns == {
+        "key_id": "bytea",
+        "fingerprint": "bytea",
+        "absolute_expires_ms": "bigint",
+        "fencing_token": "bigint",
+        "owner": "bytea",
+        "lease_expires_ms": "bigint",
+        "completed_ms": "bigint",
+        "result": "text",
+        "updated_ms": "bigint",
+    }
+    assert cache == (1, False)
+
+
+def test_a_newer_schema_is_refused(make_store: StoreFactory, url: str) -> None:
+    """A schema written by a newer leasekeeper stops this one from starting."""
+    store = make_store("postgres")
+    create_schema(store)
+    with admin(url) as conn:
+        conn.execute(
+            f"UPDATE {store.schema}.leasekeeper_meta SET value = 99 "  # type: ignore[attr-defined]
+            "WHERE name = 'schema_version'"
+        )
+    with pytest.raises(ServiceUnavailable, match="upgrade leasekeeper"):
+        asyncio.run(make_store("postgres", like=store).open())
+
+
+def test_a_missing_search_path_schema_is_explained(url: str) -> None:
+    """Without ``schema=``, a search_path naming no existing schema gives a clear error."""
+    missing = new_schema_name()
+    store = open_store(url_with(url, options=f"-csearch_path={missing}"), timeout_seconds=2)
+    with pytest.raises(ServiceUnavailable, match="search_path"):
+        asyncio.run(store.open())
+
+
+# -- sessions and the database clock ---------------------------------------------------------
+
+
+def test_sessions_commit_synchronously_whatever_the_url_says(
+    make_store: StoreFactory, url: str
+) -> None:
+    """synchronous_commit is on even when the URL asks for off; timeouts come from the store."""
+    store = make_store(
+        "postgres", url=url_with(url, options="-c synchronous_commit=off"), timeout_seconds=3
+    )
+
+    async def main() -> tuple[Any, ...]:
+        async with opened(store), store._pool.connection() as conn:  # type: ignore[attr-defined]
+            cursor = await conn.execute(
+                "SELECT current_setting('synchronous_commit'), "
+                "current_setting('statement_timeout'), current_schema(), "
+                "current_setting('application_name')"
+            )
+            row = await cursor.fetchone()
+            assert row is not None
+            return tuple(row)
+
+    settings = asyncio.run(main())
+    assert settings == ("on", "3s", store.schema, store.schema)  # type: ignore[attr-defined]
+
+
+def test_without_a_clock_the_database_clock_decides(make_store: StoreFactory, url: str) -> None:
+    """With no injected clock, ``now`` is the database server's clock_timestamp()."""
+
+    async def main() -> None:
+        async with opened(make_store("postgres", clock=None)) as store:
+            before = time.time_ns() // 1_000_000
+            decision = await store.apply(acquire(ttl_ms=5000))
+            after = time.time_ns() // 1_000_000
+            assert isinstance(decision.outcome, Granted)
+            now = decision.outcome.now_ms
+            # The server runs on this machine in the tests, so the clocks agree.
+            assert before - 50 <= now <= after + 50
+            assert decision.outcome.record.lease_expires_ms == now + 5000
+
+            key = new_id()
+            await store.apply(acquire(key, lifecycle_ms=1))
+            await asyncio.sleep(0.01)  # real time: this test is about the real clock
+            assert await store.purge(100) >= 1
+
+    asyncio.run(main())
+
+
+# -- failures --------------------------------------------------------------------------------
+
+
+def test_transient_errors_are_retried_invisibly(make_store: StoreFactory, url: str) -> None:
+    """Serialization failures and deadlocks inside a decision are retried by the store."""
+    store = make_store("postgres")
+    create_schema(store)
+    schema = store.schema  # type: ignore[attr-defined]
+    with admin(url) as conn:
+        conn.execute(f"SET search_path = {schema}")
+        conn.execute("CREATE SEQUENCE failures")
+        conn.execute(
+            """
+            CREATE FUNCTION fail_a_few() RETURNS trigger LANGUAGE plpgsql AS $$
+            DECLARE n bigint := nextval('failures');
+            BEGIN
+                IF n <= 2 THEN RAISE EXCEPTION 'injected' USING ERRCODE = 'serialization_failure';
+                ELSIF n <= 4 THEN RAISE EXCEPTION 'injected' USING ERRCODE = 'deadlock_detected';
+                END IF;
+                RETURN NEW;
+            END $$
+            """
+        )
+        conn.execute(
+            "CREATE TRIGGER fail_a_few BEFORE INSERT OR UPDATE ON leasekeeper_leases "
+            "FOR EACH ROW EXECUTE FUNCTION fail_a_few()"
+        )
+
+    async def main() -> None:
+        async with opened(make_store("postgres", like=store)) as again:
+            key, owner = new_id(), new_id()
+            assert isinstance((await again.apply(acquire(key, owner))).outcome, Granted)
+            done = await again.apply(Complete(key, owner, '"ok"'))
+            assert isinstance(done.outcome, CompletedOutcome)
+
+    asyncio.run(main())
+
+
+def test_endless_transient_errors_end_in_unavailable(make_store: StoreFactory, url: str) -> None:
+    """A decision that can never commit is refused as unavailable, in bounded time."""
+    store = make_store("postgres", timeout_seconds=3)
+    create_schema(store)
+    with admin(url) as conn:
+        conn.execute(f"SET search_path = {store.schema}")  # type: ignore[attr-defined]
+        conn.execute(
+            """
+            CREATE FUNCTION always_fail() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN RAISE EXCEPTION 'injected' USING ERRCODE = 'serialization_failure'; END $$
+            """
+        )
+        conn.execute(
+            "CREATE TRIGGER always_fail BEFORE INSERT ON leasekeeper_leases "
+            "FOR EACH ROW EXECUTE FUNCTION always_fail()"
+        )
+
+    async def main() -> None:
+        async with opened(make_store("postgres", like=store, timeout_seconds=3)) as again:
+            started = time.monotonic()
+            with pytest.raises(ServiceUnavailable):
+                await again.apply(acquire())
+            assert time.monotonic() - started < 3.5
+
+    asyncio.run(main())
+
+
+def test_killed_connections_are_replaced_without_failing_requests(
+    make_store: StoreFactory, url: str
+) -> None:
+    """After pg_terminate_backend on every store connection, requests still succeed."""
+    store = make_store("postgres", min_size=4, max_size=4)
+    name = store.schema  # type: ignore[attr-defined]  # also the application_name
+
+    async def main() -> None:
+        async with opened(store):
+            await asyncio.gather(*(store.apply(acquire()) for _ in range(16)))
+            for _ in range(3):
+                with admin(url) as conn:
+                    killed = conn.execute(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE application_name = %s",
+                        (name,),
+                    ).fetchone()
+                assert killed is not None
+                assert killed[0] >= 1
+                for _ in range(8):
+                    assert isinstance((await store.apply(acquire())).outcome, Granted)
+
+    asyncio.run(main())
+
+
+def test_a_blocked_table_answers_unavailable_within_the_timeout(
+    make_store: StoreFactory, url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store that cannot get its rows answers ServiceUnavailable on time, and recovers."""
+    caplog.set_level(logging.DEBUG)
+    store = make_store("postgres", timeout_seconds=1)
+    key, owner = new_id(), new_id()
+
+    async def main() -> None:
+        async with opened(store):
+            await store.apply(acquire(key, owner))
+            with admin(url) as blocker:
+                blocker.execute("BEGIN")
+                blocker.execute(
+                    f"LOCK TABLE {store.schema}.leasekeeper_leases "  # type: ignore[attr-defined]
+                    "IN ACCESS EXCLUSIVE MODE"
+                )
+                for call in (store.apply(Renew(key, owner, TTL)), store.ping()):
+                    started = time.monotonic()
+                    with pytest.raises(ServiceUnavailable) as caught:
+                        await call
+                    elapsed = time.monotonic() - started
+                    assert 0.9 <= elapsed <= 1.5, elapsed
+                    assert caught.value.retry_after == 1
+                blocker.execute("ROLLBACK")
+            renewed = await store.apply(Renew(key, owner, TTL))
+            assert isinstance(renewed.outcome, Renewed)
+            await store.ping()
+
+    asyncio.run(main())
+    logged = " ".join(record.getMessage() for record in caplog.records)
+    for secret in (key, owner):
+        assert secret.hex() not in logged
+        assert repr(secret) not in logged
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_an_unreachable_database_fails_open_within_the_timeout() -> None:
+    """Opening a store whose server refuses connections fails as unavailable, on time."""
+    pytest.importorskip("psycopg")
+    store = open_store(f"postgresql://postgres@127.0.0.1:{free_port()}/test", timeout_seconds=1)
+    started = time.monotonic()
+    with pytest.raises(ServiceUnavailable, match="Cannot open the PostgreSQL store"):
+        asyncio.run(store.open())
+    assert time.monotonic() - started < 2.5
+
+
+class Link:
+    """One relayed connection: both ends, and whether the server's answers still pass."""
+
+    def __init__(self, *writers: asyncio.StreamWriter) -> None:
+        self.writers = writers
+        self.muted = False
+
+    def abort(self) -> None:
+        for writer in self.writers:
+            writer.transport.abort()
+
+
+class Relay:
+    """A TCP relay to PostgreSQL that a test can cut (refuse, drop) or blackhole (stall)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._target = (host, port)
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self._refusing = False
+        self._links: set[Link] = set()
+        self._server: asyncio.Server | None = None
+        self._trap: tuple[bytes, bool] | None = None
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._refusing:
+            writer.transport.abort()
+            return
+        await self._flowing.wait()
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self._target)
+        except OSError:
+            writer.transport.abort()
+            return
+        link = Link(writer, up_writer)
+        self._links.add(link)
+        try:
+            await asyncio.gather(
+                self._pump(reader, up_writer, link, from_client=True),
+                self._pump(up_reader, writer, link, from_client=False),
+            )
+        finally:
+            self._links.discard(link)
+
+    async def _pump(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        link: Link,
+        *,
+        from_client: bool,
+    ) -> None:
+        try:
+            while data := await reader.read(65536):
+                await self._flowing.wait()
+                if link.muted:
+                    continue  # the answers of a trapped connection are lost
+                trap = self._trap
+                if from_client and trap is not None and trap[0] in data:
+                    self._trap = None
+                    link.muted = True
+                    if trap[1]:
+                        writer.write(data)
+                        await writer.drain()
+                        await asyncio.sleep(0.2)  # the server acts on it; nobody hears back
+                    return
+                writer.write(data)
+                await writer.drain()
+        except (OSError, RuntimeError):
+            pass
+        finally:
+            link.abort()
+
+    def cut(self) -> None:
+        """Drop every connection and refuse new ones, as a stopped server would."""
+        self._refusing = True
+        for link in list(self._links):
+            link.abort()
+
+    def blackhole(self) -> None:
+        """Stop passing bytes either way, as a broken network would."""
+        self._flowing.clear()
+
+    def trap(self, marker: bytes, *, deliver: bool) -> None:
+        """Drop the connection that next sends ``marker``, once it reached the server or not.
+
+        Either way the server's answer never comes back.
+        """
+        self._trap = (marker, deliver)
+
+    @property
+    def trapped(self) -> bool:
+        return self._trap is None
+
+    def restore(self) -> None:
+        self._refusing = False
+        self._flowing.set()
+
+    async def stop(self) -> None:
+        self.restore()
+        self.cut()
+        if self._server is not None:
+            self._server.close()
+
+
+@pytest.fixture
+def target(url: str) -> tuple[str, int]:
+    from psycopg.conninfo import conninfo_to_dict
+
+    params = conninfo_to_dict(url)
+    return str(params.get("host", "127.0.0.1")), int(params.get("port", 5432))
+
+
+async def until_granted(store: Store, within: float) -> float:
+    """Seconds until an acquire succeeds again (fails the test after ``within``)."""
+    started = time.monotonic()
+    while True:
+        try:
+            if isinstance((await store.apply(acquire())).outcome, Granted):
+                return time.monotonic() - started
+        except ServiceUnavailable:
+            pass
+        assert time.monotonic() - started < within, "the store did not recover"
+        await asyncio.sleep(0.1)
+
+
+def test_a_dropped_database_answers_unavailable_and_recovers(
+    make_store: StoreFactory, url: str, target: tuple[str, int]
+) -> None:
+    """Connections dropped and refused: ServiceUnavailable on time; back by itself after."""
+
+    async def main() -> None:
+        relay = Relay(*target)
+        port = await relay.start()
+        store = make_store("postgres", url=url_with(url, port=port), timeout_seconds=1)
+        try:
+            async with opened(store):
+                await store.apply(acquire())
+                relay.cut()
+                for call in (store.apply(acquire()), store.ping()):
+                    started = time.monotonic()
+                    with pytest.raises(ServiceUnavailable):
+                        await call
+                    assert time.monotonic() - started <= 1.5
+                await asyncio.sleep(0.5)  # stays down a while
+                relay.restore()
+                assert await until_granted(store, within=5.0) < 5.0
+                await store.ping()
+        finally:
+            await relay.stop()
+
+    asyncio.run(main())
+
+
+def test_a_stalled_network_answers_unavailable_within_the_timeout(
+    make_store: StoreFactory, url: str, target: tuple[str, int]
+) -> None:
+    """A network that swallows packets mid-request still gets an answer within the timeout."""
+
+    async def main() -> None:
+        relay = Relay(*target)
+        port = await relay.start()
+        store = make_store("postgres", url=url_with(url, port=port), timeout_seconds=1)
+        try:
+            async with opened(store):
+                key, owner = new_id(), new_id()
+                await store.apply(acquire(key, owner))
+                relay.blackhole()
+                started = time.monotonic()
+                with pytest.raises(ServiceUnavailable):
+                    await store.apply(Renew(key, owner, TTL))
+                assert time.monotonic() - started <= 1.5
+                relay.restore()
+                assert await until_granted(store, within=5.0) < 5.0
+        finally:
+            await relay.stop()
+
+    asyncio.run(main())
+
+
+def test_the_store_refuses_calls_when_not_open(url: str) -> None:
+    """Calls on a store that is not open are unavailable, not a crash."""
+    store = open_store(url)
+    with pytest.raises(ServiceUnavailable):
+        asyncio.run(store.apply(acquire()))
+
+
+# The extended-protocol Parse message of our COMMIT (the BEGIN's "READ COMMITTED" differs).
+COMMIT_MESSAGE = b"\x00COMMIT\x00"
+
+
+def test_a_commit_whose_answer_was_lost_is_found_and_acknowledged(
+    make_store: StoreFactory,
+    url: str,
+    target: tuple[str, int],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """When a COMMIT reaches the server but its answer is lost, the decision still stands."""
+    caplog.set_level(logging.INFO, logger="leasekeeper.store.postgres")
+
+    async def main() -> None:
+        relay = Relay(*target)
+        port = await relay.start()
+        store = make_store("postgres", url=url_with(url, port=port), timeout_seconds=3)
+        try:
+            async with opened(store):
+                key, owner = new_id(), new_id()
+                relay.trap(COMMIT_MESSAGE, deliver=True)
+                granted = await store.apply(acquire(key, owner))
+                assert relay.trapped
+                assert isinstance(granted.outcome, Granted)
+                renewed = await store.apply(Renew(key, owner, TTL))
+                assert isinstance(renewed.outcome, Renewed)
+                assert renewed.outcome.record.fencing_token == granted.outcome.record.fencing_token
+        finally:
+            await relay.stop()
+
+    asyncio.run(main())
+    assert "a cut-off COMMIT had taken effect" in caplog.text
+
+
+def test_a_commit_that_never_arrived_is_decided_again(
+    make_store: StoreFactory,
+    url: str,
+    target: tuple[str, int],
+    clock: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """When a COMMIT is lost on its way, the transaction rolls back and the store decides again."""
+    caplog.set_level(logging.INFO, logger="leasekeeper.store.postgres")
+
+    async def main() -> None:
+        relay = Relay(*target)
+        port = await relay.start()
+        store = make_store("postgres", url=url_with(url, port=port), timeout_seconds=3)
+        try:
+            async with opened(store):
+                key, owner = new_id(), new_id()
+                granted = await store.apply(acquire(key, owner))
+                assert isinstance(granted.outcome, Granted)
+                clock.advance(10)
+                relay.trap(COMMIT_MESSAGE, deliver=False)
+                renewed = await store.apply(Renew(key, owner, TTL))
+                assert relay.trapped
+                assert isinstance(renewed.outcome, Renewed)
+                assert renewed.outcome.record.lease_expires_ms == clock.now_ms() + TTL
+        finally:
+            await relay.stop()
+
+    asyncio.run(main())
+    assert "a cut-off COMMIT had not taken effect; deciding again" in caplog.text
