@@ -127,7 +127,7 @@ class Contention:
     label: str
 
 
-FAST_CONTENTION = Contention(processes=4, threads=3, seconds=10, keys=4, lifecycle=4, label="fast")
+FAST_CONTENTION = Contention(processes=4, threads=3, seconds=7, keys=4, lifecycle=3, label="fast")
 SOAK_CONTENTION = Contention(
     processes=6, threads=4, seconds=180, keys=4, lifecycle=10, label="soak"
 )
@@ -206,7 +206,7 @@ class Crash:
     label: str
 
 
-FAST_CRASH = Crash(kills=3, processes=2, threads=3, label="fast")
+FAST_CRASH = Crash(kills=3, processes=2, threads=2, label="fast")
 SOAK_CRASH = Crash(kills=30, processes=3, threads=4, label="soak")
 
 

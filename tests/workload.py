@@ -68,6 +68,7 @@ class Worker:
         self.rng = random.Random(f"{config.seed}-{config.process}-{index}")
         self.client = httpx.Client(timeout=config.timeout)
         self.ops = 0
+        self.completed = 0
 
     def more(self) -> bool:
         stop = self.config.stop_file
@@ -115,15 +116,17 @@ class Worker:
                 return
         self.sleep(rng.uniform(0.0, 0.2))
         choice = rng.random()
-        if choice < 0.6:
-            if choice < 0.5:
+        if self.index == 0 and not self.completed:
+            choice = 0.5  # every process completes at least once (the run needs results)
+        if choice < 0.65:
+            if choice < 0.45:
                 self.call("release", key, **owner)
             else:
                 result = {"by": self.config.process, "thread": self.index, "nul": "a\u0000b"}
-                self.call("complete", key, result=result, **owner)
+                self.completed += self.call("complete", key, result=result, **owner).status == 200
             if rng.random() < 0.2:
                 self.call("renew", key, **owner)  # the owner has ended: must be lost
-        elif choice < 0.8:
+        elif choice < 0.85:
             # Pause past the expiry, then act as the stale owner this worker now is.
             self.sleep(ttl + rng.uniform(0.1, 1.5))
             kind: Kind = rng.choice(["renew", "release", "complete"])
