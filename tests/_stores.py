@@ -13,6 +13,7 @@ import contextlib
 import os
 import secrets
 import sqlite3
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,40 @@ class Target:
             return "ok"
         with contextlib.closing(sqlite3.connect(self.db)) as conn:
             return str(conn.execute("PRAGMA integrity_check").fetchone()[0])
+
+    def snapshot(self) -> dict[str, bytes]:
+        """What the store holds at rest: SQLite's files (db, -wal, -shm), or a ``pg_dump``
+        of this run's schema (plus each table copied out as text) for PostgreSQL."""
+        if self.db is not None:
+            return {
+                p.name: p.read_bytes()
+                for p in self.db.parent.iterdir()
+                if p.name.startswith(self.db.name)
+            }
+        import psycopg
+
+        assert self.admin_url is not None and self.schema is not None
+        found: dict[str, bytes] = {}
+        dump = subprocess.run(
+            ["pg_dump", "--schema", self.schema, self.admin_url],
+            capture_output=True,
+            check=False,
+            timeout=60,
+        )
+        if dump.returncode == 0:
+            found["pg_dump"] = dump.stdout
+        with psycopg.connect(self.admin_url, autocommit=True, connect_timeout=5) as conn:
+            tables = conn.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = %s", (self.schema,)
+            ).fetchall()
+            for (table,) in tables:
+                chunks = []
+                with conn.cursor().copy(f'COPY "{self.schema}"."{table}" TO STDOUT') as copy:
+                    for chunk in copy:
+                        chunks.append(bytes(chunk))
+                found[f"table {table}"] = b"".join(chunks)
+        assert found, "nothing to scan"
+        return found
 
     def terminate_backends(self) -> tuple[int, int]:
         """End every PostgreSQL connection of this run's instances; (ended, in a transaction)."""

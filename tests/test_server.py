@@ -23,6 +23,7 @@ from leasekeeper._core import secrets as lk_secrets
 from leasekeeper.http import create_app
 from leasekeeper.store import SqliteStore
 from tests._server import running_server, start_server
+from tests._stores import STORES, store_target
 
 pytestmark = pytest.mark.slow
 
@@ -121,13 +122,14 @@ def _secret_values(value: Any) -> list[str]:
     return [value] if isinstance(value, str) else []
 
 
-def test_no_secret_reaches_disk_logs_or_responses(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", STORES)
+def test_no_secret_reaches_disk_logs_or_responses(tmp_path: Path, kind: str) -> None:
     """Canaries in every secret field, through a full workload at DEBUG, appear in no store
-    file, no log line and no response, raw, hex or base64; the only exceptions are the
-    namespace in its own mint answer and each owner token in its own grant."""
+    file (or table dump), no log line and no response, raw, hex or base64; the only
+    exceptions are the namespace in its own mint answer and each owner token in its own
+    grant."""
     import socket
 
-    db = tmp_path / "secrets.db"
     log = tmp_path / "server.log"
     key = "canary-key-7Qw9zX"
     fingerprint, other_fp = "canary-fp-K2m8vB", "canary-fp2-Lq3nV7"
@@ -138,7 +140,11 @@ def test_no_secret_reaches_disk_logs_or_responses(tmp_path: Path) -> None:
         "LEASEKEEPER_REQUEST_TIMEOUT_SECONDS": "1",
         "LEASEKEEPER_LIVE_LEASES_INTERVAL_SECONDS": "0.2",
     }
-    with running_server(f"sqlite:///{db}", log, env) as server, httpx.Client(timeout=10) as client:
+    with (
+        store_target(kind, tmp_path) as target,
+        running_server(target.url, log, env) as server,
+        httpx.Client(timeout=10) as client,
+    ):
 
         def call(
             route: str, body: Any, *, method: str = "POST", allow: tuple[str, ...] = ()
@@ -218,12 +224,11 @@ def test_no_secret_reaches_disk_logs_or_responses(tmp_path: Path) -> None:
                 answers.append((b"".join(chunks), set()))
         time.sleep(0.3)  # let the live-lease count run once more
         call("/metrics", None, method="GET")
-        files = [p for p in tmp_path.iterdir() if p.name.startswith("secrets.db")]
-        assert any(p.name.endswith("-wal") for p in files)
-        snapshots = {p.name: p.read_bytes() for p in files}
-    for p in tmp_path.iterdir():
-        if p.name.startswith("secrets.db"):
-            snapshots[p.name + "@stopped"] = p.read_bytes()
+        snapshots = target.snapshot()
+        assert kind != "sqlite" or any(name.endswith("-wal") for name in snapshots)
+        assert kind != "postgres" or snapshots["table leasekeeper_leases"].count(b"\n") >= 3
+        server.stop()
+        snapshots |= {f"{name}@stopped": blob for name, blob in target.snapshot().items()}
     log_text = log.read_text()
     snapshots["server.log"] = log_text.encode()
     lines = [json.loads(line) for line in log_text.splitlines()]  # every line is JSON
