@@ -321,6 +321,7 @@ _FROM_STATUS: dict[str, _Builder] = {
     PayloadTooLarge.status: lambda e, b, r: PayloadTooLarge(e),
     NotFound.status: lambda e, b, r: NotFound(e),
     MethodNotAllowed.status: lambda e, b, r: MethodNotAllowed(e),
+    RequestTimeout.status: lambda e, b, r: RequestTimeout(e),
     RateLimited.status: lambda e, b, r: RateLimited(e, retry_after_seconds=_wait(b, r)),
     LeaseHeld.status: lambda e, b, r: LeaseHeld(
         e,
@@ -344,6 +345,7 @@ _FROM_HTTP_STATUS: dict[int, _Builder] = {
     400: _FROM_STATUS["invalid"],
     404: _FROM_STATUS["not_found"],
     405: _FROM_STATUS["method_not_allowed"],
+    408: _FROM_STATUS["timeout"],
     413: _FROM_STATUS["too_large"],
     429: _FROM_STATUS["rate_limited"],
     502: _FROM_STATUS["unavailable"],
