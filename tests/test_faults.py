@@ -189,6 +189,7 @@ def test_contention_on_hot_keys_keeps_every_promise(kind: str, tmp_path: Path) -
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("kind", STORES)
 def test_contention_soak(kind: str, tmp_path: Path) -> None:
     """The contention run for minutes, with more processes and lifecycles."""
@@ -381,6 +382,7 @@ def test_crash_loop_loses_no_acknowledged_write(kind: str, tmp_path: Path) -> No
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("kind", STORES)
 def test_crash_loop_soak(kind: str, tmp_path: Path) -> None:
     """The crash loop with 30 kills and more load."""
