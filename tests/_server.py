@@ -48,10 +48,15 @@ class Server:
 
 
 def start_server(
-    store: str, log: Path, env: Mapping[str, str] | None = None, *, wait: float = 20.0
+    store: str,
+    log: Path,
+    env: Mapping[str, str] | None = None,
+    *,
+    wait: float = 20.0,
+    port: int | None = None,
 ) -> Server:
-    """A server on a free loopback port, ready to answer; its stderr goes to ``log``."""
-    port = free_port()
+    """A server on ``port`` (default a free loopback port), ready to answer; stderr to ``log``."""
+    port = port or free_port()
     environ = {**os.environ, "LEASEKEEPER_LOG_LEVEL": "INFO", **(env or {})}
     with log.open("ab") as sink:
         process = subprocess.Popen(

@@ -209,3 +209,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "soak" in item.keywords:
             item.add_marker(skip)
+
+
+#: One line per fault or load run (tests/test_faults.py), printed at the end of the session.
+RUN_SUMMARIES: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Show each run's summary line even under ``-q`` without ``-s``."""
+    if RUN_SUMMARIES:
+        terminalreporter.section("leasekeeper runs")
+        for line in RUN_SUMMARIES:
+            terminalreporter.write_line(line)

@@ -16,6 +16,7 @@ from leasekeeper import (
     NotFound,
     PayloadTooLarge,
     RateLimited,
+    RequestTimeout,
     ServiceUnavailable,
     ServiceUnreachable,
     StaleFence,
@@ -27,6 +28,7 @@ SERVICE_ERRORS: list[LeaseError] = [
     PayloadTooLarge(),
     NotFound(),
     MethodNotAllowed(),
+    RequestTimeout(),
     RateLimited(retry_after_seconds=3),
     LeaseHeld(
         retry_after_seconds=43,
@@ -64,6 +66,7 @@ def test_the_retry_after_header_fills_a_missing_body_field() -> None:
         (401, InvalidRequest),
         (404, NotFound),
         (405, MethodNotAllowed),
+        (408, RequestTimeout),
         (409, LeaseConflict),
         (413, PayloadTooLarge),
         (429, RateLimited),

@@ -23,6 +23,7 @@ from leasekeeper._core import secrets as lk_secrets
 from leasekeeper.http import create_app
 from leasekeeper.store import SqliteStore
 from tests._server import running_server, start_server
+from tests._stores import STORES, store_target
 
 pytestmark = pytest.mark.slow
 
@@ -98,53 +99,149 @@ def _encodings(secret: str | bytes) -> list[bytes]:
     return [form for form in forms if len(form) >= 8]
 
 
-def test_no_secret_reaches_disk_or_logs(tmp_path: Path) -> None:
-    """Known secrets written through the API appear in no store file and no log line."""
-    db = tmp_path / "secrets.db"
+CANARY_RESULT = {
+    "password": "canary-password-P4s5",
+    "nested": [
+        {"access_token": "canary-token-T0k3n"},
+        {"Cookie": "canary-cookie-C00k"},
+        {"deeper": [{"Authorization": "canary-auth-Au7h", "passwd": "canary-passwd-Pw9d"}]},
+    ],
+    "client_secret": "canary-secret-S3cr",
+    "Private Key": "canary-privkey-Pr1v",
+    "api.key": "canary-apikey-Ap1k",
+    "Set-Cookie": ["canary-setcookie-Sc00"],
+}
+
+
+def _secret_values(value: Any) -> list[str]:
+    """Every string in a canary result."""
+    if isinstance(value, dict):
+        return [s for child in value.values() for s in _secret_values(child)]
+    if isinstance(value, list):
+        return [s for child in value for s in _secret_values(child)]
+    return [value] if isinstance(value, str) else []
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_no_secret_reaches_disk_logs_or_responses(tmp_path: Path, kind: str) -> None:
+    """Canaries in every secret field, through a full workload at DEBUG, appear in no store
+    file (or table dump), no log line and no response, raw, hex or base64; the only
+    exceptions are the namespace in its own mint answer and each owner token in its own
+    grant."""
+    import socket
+
     log = tmp_path / "server.log"
-    with running_server(f"sqlite:///{db}", log, {"LEASEKEEPER_LOG_LEVEL": "DEBUG"}) as server:
-        ns = post(server.url, "/lease/namespace", {}).json()["namespace"]
-        key = "canary-key-7Qw9zX"
-        fingerprint = "canary-fp-K2m8vB"
-        bare_key = "canary-bare-" + "Zq8Wn3Lp5Rt7Yv2Xk4Mj6Hg9Fd1Sa0Qe"
-        secret_values = ["canary-password-P4s5", "canary-token-T0k3n", "canary-cookie-C00k"]
-        tokens = []
-        for k, ns_value in ((key, ns), (bare_key, None)):
-            body: dict[str, Any] = {"key": k, "fingerprint": fingerprint}
-            if ns_value:
-                body["namespace"] = ns_value
-            lease = post(server.url, "/lease", body)
-            assert lease.status_code == 201, lease.text
-            token = lease.json()["owner_token"]
+    key = "canary-key-7Qw9zX"
+    fingerprint, other_fp = "canary-fp-K2m8vB", "canary-fp2-Lq3nV7"
+    bare_key = "canary-bare-" + "Zq8Wn3Lp5Rt7Yv2Xk4Mj6Hg9Fd1Sa0Qe"
+    answers: list[tuple[bytes, set[str]]] = []  # each response, and the secrets it may show
+    env = {
+        "LEASEKEEPER_LOG_LEVEL": "DEBUG",
+        "LEASEKEEPER_REQUEST_TIMEOUT_SECONDS": "1",
+        "LEASEKEEPER_LIVE_LEASES_INTERVAL_SECONDS": "0.2",
+    }
+    with (
+        store_target(kind, tmp_path) as target,
+        running_server(target.url, log, env) as server,
+        httpx.Client(timeout=10) as client,
+    ):
+
+        def call(
+            route: str, body: Any, *, method: str = "POST", allow: tuple[str, ...] = ()
+        ) -> httpx.Response:
+            response = client.request(method, f"{server.url}{route}", json=body)
+            head = "".join(f"{k}: {v}\n" for k, v in response.headers.items()).encode()
+            answers.append((head + response.content, set(allow)))
+            return response
+
+        minted = call("/services/v1/lease/namespace", {})
+        ns = minted.json()["namespace"]
+        answers[-1][1].add(ns)
+        tokens: list[str] = []
+
+        def grant(body: dict[str, Any]) -> str:
+            response = call("/services/v1/lease", body)
+            assert response.status_code == 201, response.text
+            token = str(response.json()["owner_token"])
+            answers[-1][1].add(token)
             tokens.append(token)
-            owner = {**body, "owner_token": token}
-            owner.pop("fingerprint")
-            assert post(server.url, "/lease/renew", owner).status_code == 200
-            result = {
-                "password": secret_values[0],
-                "nested": [{"access_token": secret_values[1]}, {"Cookie": secret_values[2]}],
-            }
-            assert (
-                post(server.url, "/lease/complete", {**owner, "result": result}).status_code == 200
-            )
-            post(server.url, "/lease/renew", owner)  # lost: the token is gone
-        # Bad input carrying secrets must not leak through error logging either.
-        post(server.url, "/lease", {"namespace": ns, "key": key, "ttl_seconds": "x"})
-        post(server.url, "/lease", {"namespace": ns, "key": key, "fingerprint": "other"})
-        files = [p for p in tmp_path.iterdir() if p.name.startswith("secrets.db")]
-        assert any(p.name.endswith("-wal") for p in files)
-        snapshots = {p.name: p.read_bytes() for p in files}
-    for p in tmp_path.iterdir():
-        if p.name.startswith("secrets.db"):
-            snapshots[p.name + "@stopped"] = p.read_bytes()
-    snapshots["server.log"] = log.read_bytes()
-    assert b"leasekeeper listening" in snapshots["server.log"]
+            return token
+
+        for k, scope in ((key, {"namespace": ns}), (bare_key, {})):
+            lease = {**scope, "key": k, "fingerprint": fingerprint}
+            first = grant({**lease, "ttl_seconds": 30})
+            assert call("/services/v1/lease", lease).status_code == 409  # held
+            conflict = call("/services/v1/lease", {**lease, "fingerprint": other_fp})
+            assert conflict.json()["status"] == "conflict"
+            owner = {**scope, "key": k, "owner_token": first}
+            assert call("/services/v1/lease/renew", owner).status_code == 200
+            assert call("/services/v1/lease/release", owner).status_code == 200
+            second = grant(lease)
+            done = {**scope, "key": k, "owner_token": second, "result": CANARY_RESULT}
+            assert call("/services/v1/lease/complete", done).status_code == 200
+            replay = call("/services/v1/lease", lease)
+            stored = _secret_values(replay.json()["result"])
+            assert stored == ["[redacted]"] * len(_secret_values(CANARY_RESULT))
+            for token in (first, second):
+                lost = call("/services/v1/lease/renew", {**scope, "key": k, "owner_token": token})
+                assert lost.json()["status"] == "lost"
+        # A lease that expires under its owner, and a result too large (with canaries).
+        short = {"namespace": ns, "key": key + "-short", "fingerprint": fingerprint}
+        third = grant({**short, "ttl_seconds": 1})
+        owner = {"namespace": ns, "key": key + "-short", "owner_token": third}
+        big = {**owner, "result": {"password": "canary-big-Bg1x", "pad": ["canary-pad"] * 4000}}
+        assert call("/services/v1/lease/complete", big).status_code == 413
+        time.sleep(1.2)
+        assert "expired" in call("/services/v1/lease/renew", owner).json()["error"]
+        # Bad input carrying secrets, everywhere a secret can be misplaced.
+        for bad in (
+            {"namespace": ns, "key": key, "ttl_seconds": "x"},
+            {"namespace": ns, "key": key + "\n", "fingerprint": fingerprint},
+            {"namespace": ns, "key": key, key: fingerprint},
+            {"namespace": ns + key, "key": key},
+            {"namespace": ns, "key": key, "owner_token": "own_" + key},
+            {"key": key, "fingerprint": fingerprint},  # a bare key too guessable
+        ):
+            assert call("/services/v1/lease/renew", bad).status_code == 400
+            assert call("/services/v1/lease", bad).status_code == 400
+        call(f"/services/v1/lease/{ns}/{key}?fingerprint={fingerprint}", None, method="GET")
+        call(f"/{key}", None, method="DELETE")
+        for route in ("/healthz", "/readyz", "/openapi.json", "/docs"):
+            call(route, None, method="GET")
+        # A body that never finishes (408) and malformed HTTP (400), both carrying secrets.
+        port = int(server.url.rsplit(":", 1)[1])
+        for raw in (
+            b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n"
+            + f'{{"namespace": "{ns}", "key": "{key}"'.encode(),
+            f"POST /{ns}/{key} HTTP/1.1\r\nContent-Length: x{fingerprint}\r\n\r\n".encode(),
+        ):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(raw)
+                chunks = []
+                with contextlib.suppress(OSError):
+                    while chunk := sock.recv(65536):
+                        chunks.append(chunk)
+                answers.append((b"".join(chunks), set()))
+        time.sleep(0.3)  # let the live-lease count run once more
+        call("/metrics", None, method="GET")
+        snapshots = target.snapshot()
+        assert kind != "sqlite" or any(name.endswith("-wal") for name in snapshots)
+        assert kind != "postgres" or snapshots["table leasekeeper_leases"].count(b"\n") >= 3
+        server.stop()
+        snapshots |= {f"{name}@stopped": blob for name, blob in target.snapshot().items()}
+    log_text = log.read_text()
+    snapshots["server.log"] = log_text.encode()
+    lines = [json.loads(line) for line in log_text.splitlines()]  # every line is JSON
+    assert any(line["message"].startswith("leasekeeper listening") for line in lines)
+    assert sum(1 for line in lines if "request_id" in line) >= len(answers) - 3
+    assert [a for a, _ in answers if b"408" in a[:20] or b"400 Bad" in a[:20]]
 
     ns_raw = lk_secrets.parse_namespace(ns)
     assert ns_raw is not None
-    secrets_to_find: list[str | bytes] = [ns, ns_raw, key, bare_key, fingerprint]
-    secrets_to_find += tokens + secret_values
+    secrets_to_find: list[str | bytes] = [ns, ns_raw, key, bare_key, fingerprint, other_fp]
+    secrets_to_find += tokens + _secret_values(CANARY_RESULT) + ["canary-big-Bg1x"]
     secrets_to_find += [base64.urlsafe_b64decode(t[4:] + "=") for t in tokens]
+    owners = {ns: [ns, ns_raw]} | {t: [t, base64.urlsafe_b64decode(t[4:] + "=")] for t in tokens}
     hits = [
         (name, secret)
         for name, blob in snapshots.items()
@@ -152,6 +249,12 @@ def test_no_secret_reaches_disk_or_logs(tmp_path: Path) -> None:
         for form in _encodings(secret)
         if form in blob
     ]
+    for index, (blob, allowed) in enumerate(answers):
+        mine = [form for a in allowed for secret in owners[a] for form in _encodings(secret)]
+        for secret in secrets_to_find:
+            for form in _encodings(secret):
+                if form in blob and form not in mine:
+                    hits.append((f"response {index}", secret))
     assert hits == []
 
 

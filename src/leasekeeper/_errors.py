@@ -13,6 +13,7 @@ client SDK raises the very same classes when it reads such a body back.
     │   ├── PayloadTooLarge         413 too_large: body over 64 KiB, result over 32 KiB
     │   ├── NotFound                404 not_found: no such route
     │   ├── MethodNotAllowed        405 method_not_allowed
+    │   ├── RequestTimeout          408 timeout: headers or body not sent in time (slow client)
     │   └── RateLimited             429 rate_limited; .retry_after_seconds
     ├── LeaseConflict               409: the key's state refuses the request
     │   ├── LeaseHeld               409 held: another owner holds a live lease;
@@ -53,6 +54,7 @@ __all__ = [
     "PayloadTooLarge",
     "RateLimited",
     "RequestError",
+    "RequestTimeout",
     "ServerError",
     "ServiceUnavailable",
     "ServiceUnreachable",
@@ -111,6 +113,17 @@ class MethodNotAllowed(RequestError):
 
     status = "method_not_allowed"
     default_message = "Method not allowed"
+
+
+class RequestTimeout(RequestError):
+    """The client took too long to send its request's headers or body.
+
+    A slow or stalled client would otherwise hold one of the server's connections
+    for as long as it likes; the connection is closed after this answer.
+    """
+
+    status = "timeout"
+    default_message = "The request was not received in time"
 
 
 class RateLimited(RequestError):
@@ -308,6 +321,7 @@ _FROM_STATUS: dict[str, _Builder] = {
     PayloadTooLarge.status: lambda e, b, r: PayloadTooLarge(e),
     NotFound.status: lambda e, b, r: NotFound(e),
     MethodNotAllowed.status: lambda e, b, r: MethodNotAllowed(e),
+    RequestTimeout.status: lambda e, b, r: RequestTimeout(e),
     RateLimited.status: lambda e, b, r: RateLimited(e, retry_after_seconds=_wait(b, r)),
     LeaseHeld.status: lambda e, b, r: LeaseHeld(
         e,
@@ -331,6 +345,7 @@ _FROM_HTTP_STATUS: dict[int, _Builder] = {
     400: _FROM_STATUS["invalid"],
     404: _FROM_STATUS["not_found"],
     405: _FROM_STATUS["method_not_allowed"],
+    408: _FROM_STATUS["timeout"],
     413: _FROM_STATUS["too_large"],
     429: _FROM_STATUS["rate_limited"],
     502: _FROM_STATUS["unavailable"],

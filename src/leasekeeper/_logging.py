@@ -2,17 +2,26 @@
 
 Nothing leasekeeper logs contains a namespace, key, owner token, fingerprint or
 result: request bodies are never logged, and error messages never repeat input.
+
+Every line logged while a request is handled carries its ``request_id``: the outer
+ASGI layer draws a fresh one per request (never taken from the client, which could
+put a secret in it), returns it as ``X-Request-Id`` and sets ``REQUEST_ID`` for the
+request's task, so a client's report of a failure can be matched to its log lines.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import sys
 import time
 
 import orjson
 
-__all__ = ["configure_logging"]
+__all__ = ["REQUEST_ID", "configure_logging"]
+
+#: The request id of the request this task is handling ("" outside requests).
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 
 
 class JsonFormatter(logging.Formatter):
@@ -26,6 +35,9 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        request_id = REQUEST_ID.get()
+        if request_id:
+            entry["request_id"] = request_id
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return orjson.dumps(entry).decode()

@@ -12,9 +12,10 @@ import asyncio
 import json
 import logging
 import secrets as _random
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -29,6 +30,7 @@ from leasekeeper._core.model import (
     Held,
     LeaseRecord,
     Lost,
+    Outcome,
     Release,
     Released,
     Renew,
@@ -45,9 +47,9 @@ from leasekeeper._schemas import (
     RenewBody,
     parse_body,
 )
-from leasekeeper.store import Store
+from leasekeeper.store import LiveCounter, Store
 
-__all__ = ["OPERATIONS", "LeaseService", "Reply"]
+__all__ = ["OPERATIONS", "LeaseService", "Reply", "ServiceObserver"]
 
 log = logging.getLogger("leasekeeper.service")
 
@@ -72,6 +74,18 @@ class Reply:
         return {**self.body, "result": json.loads(self.result_text)}
 
 
+class ServiceObserver(Protocol):
+    """Told about every store call and decision (``leasekeeper._metrics.Metrics`` is one)."""
+
+    def store_call(self, operation: str, seconds: float, failed: bool) -> None:
+        """A store call took ``seconds``; ``failed`` when it raised."""
+        ...
+
+    def decided(self, operation: str, outcome: Outcome, lifecycle_ms: int) -> None:
+        """The rules decided ``outcome`` for ``operation``."""
+        ...
+
+
 class LeaseService:
     """Leases over one store.
 
@@ -92,6 +106,11 @@ class LeaseService:
         self._lifecycle_ms = lifecycle_seconds * 1000
         self._cleanup_batch = cleanup_batch
         self._random = random_bytes
+        self._observers: list[ServiceObserver] = []
+
+    def add_observer(self, observer: ServiceObserver) -> None:
+        """Report every store call and decision to ``observer`` (metrics)."""
+        self._observers.append(observer)
 
     async def start(self) -> None:
         """Open the store (idempotent)."""
@@ -103,7 +122,14 @@ class LeaseService:
 
     async def ready(self) -> None:
         """Raise ``ServiceUnavailable`` unless the store answers."""
-        await self.store.ping()
+        await self._timed("ping", self.store.ping())
+
+    async def count_live(self) -> int | None:
+        """Leases held right now, by the store's count; None when the store cannot count."""
+        if not isinstance(self.store, LiveCounter):
+            return None
+        count: int = await self._timed("count_live", self.store.count_live())
+        return count
 
     # -- operations ------------------------------------------------------------------------
 
@@ -126,7 +152,7 @@ class LeaseService:
         command = Acquire(
             key_id, fingerprint, ttl * 1000, secrets.owner_digest(token), self._lifecycle_ms
         )
-        outcome = (await self.store.apply(command)).outcome
+        outcome = await self._apply("acquire", command)
         if isinstance(outcome, Granted):
             record, now = outcome.record, outcome.now_ms
             return Reply(
@@ -160,7 +186,7 @@ class LeaseService:
         """Move the live owner's expiry to ``min(now + ttl, absolute_expires_at)``."""
         ttl = DEFAULT_TTL_SECONDS if body.ttl_seconds is None else body.ttl_seconds
         command = Renew(self._key_id(body), secrets.owner_digest(body.owner_token), ttl * 1000)
-        outcome = await self._owner_step(command)
+        outcome = await self._owner_step("renew", command)
         if not isinstance(outcome, Renewed):
             raise _unexpected(outcome)
         return Reply({"ok": True, "status": "held", **_lease_times(outcome.record, outcome.now_ms)})
@@ -168,7 +194,7 @@ class LeaseService:
     async def release(self, body: ReleaseBody) -> Reply:
         """End the live owner's lease now; the key can be acquired at once."""
         command = Release(self._key_id(body), secrets.owner_digest(body.owner_token))
-        outcome = await self._owner_step(command)
+        outcome = await self._owner_step("release", command)
         if not isinstance(outcome, Released):
             raise _unexpected(outcome)
         return Reply(
@@ -179,7 +205,7 @@ class LeaseService:
         """Store the (size-checked, redacted) result and end ownership for the lifecycle."""
         result = encode_result(body.result)
         command = Complete(self._key_id(body), secrets.owner_digest(body.owner_token), result)
-        outcome = await self._owner_step(command)
+        outcome = await self._owner_step("complete", command)
         if not isinstance(outcome, CompletedOutcome):
             raise _unexpected(outcome)
         return _completed_reply(outcome.record)
@@ -188,7 +214,7 @@ class LeaseService:
         """Delete every record whose lifecycle is over, in batches; return how many."""
         total = 0
         while True:
-            deleted = await self.store.purge(self._cleanup_batch)
+            deleted: int = await self._timed("purge", self.store.purge(self._cleanup_batch))
             total += deleted
             if deleted < self._cleanup_batch:
                 return total
@@ -206,11 +232,32 @@ class LeaseService:
     def _key_id(body: RenewBody | ReleaseBody | CompleteBody) -> bytes:
         return secrets.key_id(body.namespace_secret(), body.key)
 
-    async def _owner_step(self, command: Command) -> object:
-        outcome = (await self.store.apply(command)).outcome
+    async def _owner_step(self, operation: str, command: Command) -> object:
+        outcome = await self._apply(operation, command)
         if isinstance(outcome, Lost):
             raise LeaseLost(outcome.reason.value)
         return outcome
+
+    async def _apply(self, operation: str, command: Command) -> Outcome:
+        outcome: Outcome = (await self._timed(operation, self.store.apply(command))).outcome
+        for observer in self._observers:
+            observer.decided(operation, outcome, self._lifecycle_ms)
+        return outcome
+
+    async def _timed(self, operation: str, call: Awaitable[Any]) -> Any:
+        """Await a store call, reporting its latency (and failure) to the observers."""
+        if not self._observers:
+            return await call
+        started = time.perf_counter()
+        failed = True
+        try:
+            result = await call
+            failed = False
+            return result
+        finally:
+            seconds = time.perf_counter() - started
+            for observer in self._observers:
+                observer.store_call(operation, seconds, failed)
 
 
 def _lease_times(record: LeaseRecord, now_ms: int) -> dict[str, Any]:

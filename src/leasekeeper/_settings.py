@@ -14,11 +14,16 @@ LEASEKEEPER_CLEANUP_BATCH              records deleted per batch    1000
 LEASEKEEPER_STORE_TIMEOUT_SECONDS      longest wait for the store   5
 LEASEKEEPER_MAX_BODY_BYTES             request body limit           65536
 LEASEKEEPER_MAX_CONNECTIONS            concurrent connections       1000
+LEASEKEEPER_REQUEST_TIMEOUT_SECONDS    time to send headers, and    10
+                                       again to send the body
+LEASEKEEPER_KEEP_ALIVE_SECONDS         idle time between requests   30
 LEASEKEEPER_NAMESPACE_RATE             mints per second per address 10
 LEASEKEEPER_NAMESPACE_BURST            mint burst per address       100
 LEASEKEEPER_ADDRESS_RATE / _BURST      requests/s per address       0 (off) / 1000
 LEASEKEEPER_NAMESPACE_REQUEST_RATE     requests/s per namespace     0 (off)
 LEASEKEEPER_NAMESPACE_REQUEST_BURST    burst per namespace          1000
+LEASEKEEPER_LIVE_LEASES_INTERVAL_SECONDS
+                                       period of the live count     15 (0 = off)
 LEASEKEEPER_LOG_LEVEL                  logging level                INFO
 =====================================  ===========================  ==============
 """
@@ -54,12 +59,15 @@ class Settings:
     store_timeout_seconds: float = 5.0
     max_body_bytes: int = 65_536
     max_connections: int = 1000
+    request_timeout_seconds: float = 10.0
+    keep_alive_seconds: int = 30
     namespace_rate: float = 10.0
     namespace_burst: int = 100
     address_rate: float = 0.0
     address_burst: int = 1000
     namespace_request_rate: float = 0.0
     namespace_request_burst: int = 1000
+    live_leases_interval_seconds: float = 15.0
     log_level: str = "INFO"
 
     @classmethod
@@ -86,6 +94,8 @@ class Settings:
             "LEASEKEEPER_STORE_TIMEOUT_SECONDS": self.store_timeout_seconds,
             "LEASEKEEPER_MAX_BODY_BYTES": self.max_body_bytes,
             "LEASEKEEPER_MAX_CONNECTIONS": self.max_connections,
+            "LEASEKEEPER_REQUEST_TIMEOUT_SECONDS": self.request_timeout_seconds,
+            "LEASEKEEPER_KEEP_ALIVE_SECONDS": self.keep_alive_seconds,
             "LEASEKEEPER_NAMESPACE_BURST": self.namespace_burst,
             "LEASEKEEPER_ADDRESS_BURST": self.address_burst,
             "LEASEKEEPER_NAMESPACE_REQUEST_BURST": self.namespace_request_burst,
@@ -94,13 +104,14 @@ class Settings:
             if value <= 0:
                 raise SettingsError(f"{name} must be greater than 0")
         rates = {
+            "LEASEKEEPER_LIVE_LEASES_INTERVAL_SECONDS": self.live_leases_interval_seconds,
             "LEASEKEEPER_NAMESPACE_RATE": self.namespace_rate,
             "LEASEKEEPER_ADDRESS_RATE": self.address_rate,
             "LEASEKEEPER_NAMESPACE_REQUEST_RATE": self.namespace_request_rate,
         }
         for name, rate in rates.items():
             if rate < 0:
-                raise SettingsError(f"{name} must be 0 (off) or a positive rate")
+                raise SettingsError(f"{name} must be 0 (off) or a positive number")
         if not 0 < self.port < 65536:
             raise SettingsError("LEASEKEEPER_PORT must be a TCP port from 1 to 65535")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):

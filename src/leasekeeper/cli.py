@@ -63,7 +63,8 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
     """Run the HTTP API (and MCP at /mcp)."""
     import uvicorn
 
-    from leasekeeper.http import create_app, json_unavailable_app
+    from leasekeeper.http import create_app
+    from leasekeeper.http._protocol import guard_protocol
     from leasekeeper.mcp import quiet_sdk_logs, streamable_http_mount
 
     settings = _settings(host=host, port=port, store=store)
@@ -73,6 +74,10 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
     mcp = streamable_http_mount(service, settings)
     app = create_app(service, settings, extra_routes=mcp.routes, lifespan_hooks=mcp.lifespan_hooks)
     _json_connection_limit_responses()
+    slow_headers = app.metrics.slow_clients.labels("headers")
+    protocol = guard_protocol(
+        _http_protocol(), settings.request_timeout_seconds, on_timeout=slow_headers.inc
+    )
     log.info(
         "leasekeeper listening on http://%s:%d (store scheme %s)",
         settings.host,
@@ -84,14 +89,24 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
         host=settings.host,
         port=settings.port,
         loop="uvloop" if _has("uvloop") else "asyncio",
-        http="httptools" if _has("httptools") else "h11",
+        http=protocol,
         limit_concurrency=settings.max_connections,
         access_log=False,
         log_config=None,
-        timeout_keep_alive=30,
+        timeout_keep_alive=settings.keep_alive_seconds,
         server_header=False,
     )
-    del json_unavailable_app
+
+
+def _http_protocol() -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol when httptools is installed, else its h11 one."""
+    if _has("httptools"):
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        return HttpToolsProtocol
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    return H11Protocol
 
 
 def _has(module: str) -> bool:

@@ -20,8 +20,10 @@ import hmac
 import re
 
 __all__ = [
+    "NAMESPACE_PATTERN",
     "NAMESPACE_PREFIX",
     "OWNER_PREFIX",
+    "OWNER_TOKEN_PATTERN",
     "digests_equal",
     "fingerprint_digest",
     "format_namespace",
@@ -41,6 +43,9 @@ SECRET_BYTES = 32
 _B64_43 = r"[A-Za-z0-9_-]{42}[AEIMQUYcgkosw048]"
 _NAMESPACE_RE = re.compile(rf"ns_{_B64_43}\Z")
 _OWNER_RE = re.compile(rf"own_{_B64_43}\Z")
+#: The same shapes as JSON Schema patterns (for the OpenAPI document).
+NAMESPACE_PATTERN = rf"^ns_{_B64_43}$"
+OWNER_TOKEN_PATTERN = rf"^own_{_B64_43}$"
 
 _TAG = b"leasekeeper/v1/"
 _NS_KEY_LABEL = _TAG + b"namespace-key-id"

@@ -20,6 +20,7 @@ from leasekeeper._errors import (
     NotFound,
     PayloadTooLarge,
     RateLimited,
+    RequestTimeout,
     ServiceUnavailable,
 )
 
@@ -32,6 +33,7 @@ STATUS_CODES: dict[type[LeaseError], int] = {
     InvalidRequest: 400,
     NotFound: 404,
     MethodNotAllowed: 405,
+    RequestTimeout: 408,
     LeaseHeld: 409,
     FingerprintConflict: 409,
     LeaseLost: 409,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from leasekeeper._core.secrets import NAMESPACE_PATTERN, OWNER_TOKEN_PATTERN
 from leasekeeper._schemas import AcquireBody, CompleteBody, NamespaceBody, ReleaseBody, RenewBody
 
 __all__ = ["DOCS_HTML", "openapi_document"]
@@ -90,6 +91,7 @@ _RESPONSES: dict[str, dict[str, Any]] = {
                     "invalid",
                     "not_found",
                     "method_not_allowed",
+                    "timeout",
                     "held",
                     "conflict",
                     "lost",
@@ -128,9 +130,22 @@ def _json(name: str, description: str, *, retry_after: bool = False) -> dict[str
 
 _COMMON_ERRORS = {
     "400": _json("Error", "invalid: bad JSON, wrong type, or a broken rule"),
+    "408": _json("Error", "timeout: the request body was not sent in time"),
     "413": _json("Error", "too_large: body over 64 KiB, or result over 32 KiB"),
     "429": _json("Error", "rate_limited", retry_after=True),
     "503": _json("Error", "unavailable: the store cannot be reached", retry_after=True),
+}
+
+
+_NS = "ns_XbO8a6V9e5dMWYqghfPV3ykHTNpR3oZ0fQJm4l7K2nE"
+_OWNER = "own_6-DXEvQNKM4GG8_Y0PrPcSP1sR0Z9h11ybeTYPiQ0J8"
+_KEYED = {"namespace": _NS, "key": "invoice:2026-09-05"}
+_EXAMPLES: dict[str, dict[str, Any]] = {
+    "NamespaceBody": {},
+    "AcquireBody": {**_KEYED, "ttl_seconds": 60, "fingerprint": "charge-order-501"},
+    "RenewBody": {**_KEYED, "owner_token": _OWNER, "ttl_seconds": 120},
+    "ReleaseBody": {**_KEYED, "owner_token": _OWNER},
+    "CompleteBody": {**_KEYED, "owner_token": _OWNER, "result": {"receipt_id": 4817}},
 }
 
 
@@ -143,18 +158,68 @@ def _operation(
             "description": description,
             "requestBody": {
                 "required": body != "NamespaceBody",
-                "content": {"application/json": {"schema": _ref(body)}},
+                "content": {"application/json": {"schema": _ref(body), "example": _EXAMPLES[body]}},
             },
             "responses": {**responses, **_COMMON_ERRORS},
         }
     }
 
 
+# The key's rule depends on the namespace: readable keys inside one, random ones without.
+# The entropy part of the second rule (at least 100 bits by the key's own character
+# frequencies) has no JSON Schema form; the description states it.
+# Patterns that forbid characters are written as "contains none of" (``not`` a search):
+# an anchored ``^[...]*$`` would let a trailing newline through in Python's re.
+_NAMESPACED_KEY = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 200,
+    "not": {"pattern": "[\\x00-\\x1f\\x7f-\\x9f]"},
+}
+_BARE_KEY = {"type": "string", "minLength": 32, "maxLength": 200, "not": {"pattern": "[^!-~]"}}
+_KEY_RULE = [
+    {
+        "description": "With a namespace: a readable key",
+        "required": ["namespace"],
+        "properties": {"namespace": {"type": "string"}, "key": _NAMESPACED_KEY},
+    },
+    {
+        "description": "Without a namespace: a random key (also: at least 100 bits of entropy)",
+        "properties": {"namespace": {"type": "null"}, "key": _BARE_KEY},
+    },
+]
+
+
+def _request_schema(model: Any) -> dict[str, Any]:
+    """The model's JSON Schema with the rules its validators check written out.
+
+    Pydantic sees plain strings where the service checks shapes (namespace, owner
+    token) and a key rule that depends on the namespace; clients and fuzzers should
+    see those rules too.
+    """
+    schema: dict[str, Any] = model.model_json_schema(ref_template=_REF)
+    properties = schema.get("properties", {})
+    if "namespace" in properties:
+        properties["namespace"]["anyOf"] = [
+            {"type": "string", "minLength": 46, "maxLength": 46, "pattern": NAMESPACE_PATTERN},
+            {"type": "null"},
+        ]
+        schema["anyOf"] = _KEY_RULE
+    if "owner_token" in properties:
+        properties["owner_token"].update(minLength=47, maxLength=47, pattern=OWNER_TOKEN_PATTERN)
+    if "ttl_seconds" in properties:
+        properties["ttl_seconds"]["description"] = (
+            "Lease length in seconds, default 60: a JSON integer written without a fraction "
+            "or exponent (60, not 60.0)"
+        )
+    return schema
+
+
 def openapi_document(base: str) -> dict[str, Any]:
     """The whole API description, with every route and body."""
     schemas: dict[str, Any] = dict(_RESPONSES)
     for model in (NamespaceBody, AcquireBody, RenewBody, ReleaseBody, CompleteBody):
-        schema = model.model_json_schema(ref_template=_REF)
+        schema = _request_schema(model)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
     held = _json("Error", "held (another owner; Retry-After), or conflict", retry_after=True)

@@ -14,6 +14,10 @@ and offers exactly this:
 ``ping()``
     Succeed when the store can serve requests (``/readyz``).
 
+Optionally, a store may also be a ``LiveCounter``: ``count_live()`` returns how many
+leases are held at the store's ``now`` (for the ``leasekeeper_live_leases`` gauge). It
+may be slow (a scan), must not delay ``apply``, and is read every few seconds at most.
+
 Failures to reach or write the store raise ``ServiceUnavailable``; nothing else
 escapes. The rules themselves live in ``leasekeeper._core.rules``: every backend
 calls ``decide_with_fence``, so no backend can disagree with another about them.
@@ -22,12 +26,12 @@ calls ``decide_with_fence``, so no backend can disagree with another about them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from leasekeeper._core.model import Command, Decision, LeaseRecord
 from leasekeeper._core.rules import decide
 
-__all__ = ["MAX_FENCING_TOKEN", "Store", "decide_with_fence"]
+__all__ = ["MAX_FENCING_TOKEN", "LiveCounter", "Store", "decide_with_fence"]
 
 #: Fencing tokens are positive integers below 2**63.
 MAX_FENCING_TOKEN = 2**63 - 1
@@ -54,6 +58,15 @@ class Store(Protocol):
 
     async def ping(self) -> None:
         """Raise ``ServiceUnavailable`` unless the store can serve requests now."""
+        ...
+
+
+@runtime_checkable
+class LiveCounter(Protocol):
+    """A store that can count the leases held right now (optional; see the module docstring)."""
+
+    async def count_live(self) -> int:
+        """Leases whose owner holds them at the store's ``now``."""
         ...
 
 

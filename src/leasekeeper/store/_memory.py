@@ -50,7 +50,16 @@ class MemoryStore:
                 del self._records[key_id]
             return len(over)
 
+    async def count_live(self) -> int:
+        with self._lock:
+            now = self._clock.now_ms()
+            return sum(1 for r in self._records.values() if _live(r, now))
+
     def records(self) -> dict[bytes, LeaseRecord]:
         """A snapshot of every record (tests read it to look at what is stored)."""
         with self._lock:
             return dict(self._records)
+
+
+def _live(record: LeaseRecord, now_ms: int) -> bool:
+    return record.owner is not None and now_ms < record.lease_expires_ms

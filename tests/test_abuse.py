@@ -1,0 +1,262 @@
+"""Abuse: slow clients are cut off, floods are refused, and a normal client is still served.
+
+Defaults (SPEC.md): namespace minting is limited per address (10/s, bursts of 100);
+per-address and per-namespace request limits exist but are off until an operator
+switches them on (workers behind one NAT share an address). Slow clients get
+``LEASEKEEPER_REQUEST_TIMEOUT_SECONDS`` to send their headers, and again their body.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from starlette.testclient import TestClient
+
+from leasekeeper import LeaseService, Settings
+from leasekeeper.http import create_app
+from leasekeeper.store import MemoryStore
+from tests._server import Server, running_server
+from tests.conftest import FakeMonotonic
+
+BASE = "/services/v1"
+
+
+# -- floods (in process, two client addresses) -------------------------------------------------
+
+
+def clients(monotonic: FakeMonotonic, **settings: Any) -> tuple[TestClient, TestClient]:
+    app = create_app(
+        LeaseService(MemoryStore()), Settings(**settings), monotonic=monotonic, run_cleanup=False
+    )
+    attacker = TestClient(app, client=("203.0.113.66", 4000))
+    normal = TestClient(app, client=("198.51.100.7", 5000))
+    return attacker, normal
+
+
+def serves_normally(client: TestClient, ns: str | None = None) -> None:
+    """A normal client's whole lease cycle goes through."""
+    ns = ns or client.post(f"{BASE}/lease/namespace").json()["namespace"]
+    lease = client.post(f"{BASE}/lease", json={"namespace": ns, "key": "job"})
+    assert lease.status_code == 201, lease.text
+    owner = {"namespace": ns, "key": "job", "owner_token": lease.json()["owner_token"]}
+    assert client.post(f"{BASE}/lease/renew", json=owner).status_code == 200
+    done = client.post(f"{BASE}/lease/complete", json={**owner, "result": 1})
+    assert done.status_code == 200
+
+
+def test_a_mint_flood_is_refused_while_another_client_mints_and_works(
+    monotonic: FakeMonotonic,
+) -> None:
+    """With the default limits, 150 mints from one address get 100 namespaces and 50 429s."""
+    attacker, normal = clients(monotonic)
+    codes = [attacker.post(f"{BASE}/lease/namespace").status_code for _ in range(150)]
+    assert codes.count(201) == 100 and codes.count(429) == 50
+    refused = attacker.post(f"{BASE}/lease/namespace")
+    assert refused.headers["retry-after"] == "1" and refused.json()["status"] == "rate_limited"
+    serves_normally(normal)
+
+
+def test_a_request_flood_is_refused_when_the_address_limit_is_on(
+    monotonic: FakeMonotonic,
+) -> None:
+    """LEASEKEEPER_ADDRESS_RATE switched on: one address over its burst gets 429, others not."""
+    attacker, normal = clients(monotonic, address_rate=25.0, address_burst=50)
+    ns = "ns_" + "F" * 42 + "A"
+    codes = [
+        attacker.post(f"{BASE}/lease", json={"namespace": ns, "key": f"k{i}"}).status_code
+        for i in range(150)
+    ]
+    assert codes.count(201) == 50 and codes.count(429) == 100
+    serves_normally(normal)
+    monotonic.advance(1)  # 25 tokens back
+    assert attacker.post(f"{BASE}/lease", json={"namespace": ns, "key": "x"}).status_code == 201
+
+
+def test_a_namespace_flood_is_refused_when_the_namespace_limit_is_on(
+    monotonic: FakeMonotonic,
+) -> None:
+    """LEASEKEEPER_NAMESPACE_REQUEST_RATE on: a hot namespace gets 429, another one is served,
+    even from the same address."""
+    attacker, _ = clients(monotonic, namespace_request_rate=20.0, namespace_request_burst=50)
+    hot, quiet = "ns_" + "H" * 42 + "A", "ns_" + "Q" * 42 + "A"
+    codes = [
+        attacker.post(f"{BASE}/lease", json={"namespace": hot, "key": f"k{i}"}).status_code
+        for i in range(120)
+    ]
+    assert codes.count(201) == 50 and codes.count(429) == 70
+    serves_normally(attacker, quiet)
+
+
+def test_request_limits_are_off_by_default() -> None:
+    """SPEC.md stands over the issue: per-address and per-namespace limits default to off."""
+    settings = Settings.from_env({})
+    assert settings.address_rate == 0 and settings.namespace_request_rate == 0
+    assert (settings.namespace_rate, settings.namespace_burst) == (10.0, 100)
+    assert settings.request_timeout_seconds == 10 and settings.keep_alive_seconds == 30
+
+
+# -- slow and malformed clients (a real server, raw sockets) -----------------------------------
+
+TIMEOUT = 1.0
+CAP = 12
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("abuse")
+    env = {
+        "LEASEKEEPER_REQUEST_TIMEOUT_SECONDS": str(TIMEOUT),
+        "LEASEKEEPER_MAX_CONNECTIONS": str(CAP),
+    }
+    with running_server(f"sqlite:///{tmp / 'abuse.db'}", tmp / "server.log", env) as running:
+        yield running
+
+
+def connect(server: Server) -> socket.socket:
+    port = int(server.url.rsplit(":", 1)[1])
+    return socket.create_connection(("127.0.0.1", port), timeout=5)
+
+
+def answer(sock: socket.socket) -> tuple[int, dict[str, str], Any, float]:
+    """Read until the server closes: status, headers, JSON body, and seconds it took."""
+    started = time.monotonic()
+    data = b""
+    with contextlib.suppress(ConnectionResetError, TimeoutError):
+        while chunk := sock.recv(65536):
+            data += chunk
+    sock.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:] if ": " in line)
+    return status, headers, json.loads(body), time.monotonic() - started
+
+
+@pytest.mark.slow
+def test_a_connection_that_sends_nothing_is_closed(server: Server) -> None:
+    """Connect and stay silent: 408 timeout (JSON) after the request timeout, then closed."""
+    status, headers, body, took = answer(connect(server))
+    assert (status, body["status"]) == (408, "timeout")
+    assert headers["connection"] == "close" and headers["cache-control"] == "no-store"
+    assert TIMEOUT * 0.8 <= took <= TIMEOUT + 2
+
+
+@pytest.mark.slow
+def test_trickled_headers_do_not_extend_the_deadline(server: Server) -> None:
+    """One header byte every 0.2 s: cut off after the timeout, not kept alive by the trickle."""
+    sock = connect(server)
+    started = time.monotonic()
+    with contextlib.suppress(OSError):
+        for byte in b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\nX-Slow: yes\r\n":
+            sock.send(bytes([byte]))
+            time.sleep(0.2)
+    status, _, body, _ = answer(sock)
+    assert (status, body["status"]) == (408, "timeout")
+    assert time.monotonic() - started <= TIMEOUT + 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sent", [b"", b'{"key": "'])
+def test_a_body_that_does_not_arrive_is_cut_off(server: Server, sent: bytes) -> None:
+    """Content-Length promises 100 bytes and fewer come: 408 after the timeout, then closed."""
+    sock = connect(server)
+    head = b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+    sock.sendall(head + sent)
+    status, headers, body, took = answer(sock)
+    assert (status, body["status"]) == (408, "timeout") and headers["connection"] == "close"
+    assert took <= TIMEOUT + 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n{}",
+        b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+        b"Content-Length: 3\r\n\r\n{}",
+        b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n"
+        b'{"key": "longer than declared"}',
+        b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\n",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",  # a TLS hello on the plain port
+        b"GET /" + b"a" * 100 + b" HTTP/9.9\r\n\r\n",
+    ],
+)
+def test_malformed_http_gets_a_json_400(server: Server, request_bytes: bytes) -> None:
+    """What the HTTP parser refuses is answered 400 invalid in JSON, like everything else."""
+    sock = connect(server)
+    sock.sendall(request_bytes)
+    status, headers, body, _ = answer(sock)
+    assert (status, body["status"]) == (400, "invalid")
+    assert headers["content-type"] == "application/json"
+
+
+@pytest.mark.slow
+def test_a_huge_declared_body_is_refused_before_it_is_read(server: Server) -> None:
+    """Content-Length of a terabyte: 413 at once, and the connection is closed."""
+    sock = connect(server)
+    sock.sendall(b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\nContent-Length: 10")
+    sock.sendall(b"00000000000\r\n\r\n{")
+    status, headers, body, took = answer(sock)
+    assert (status, body["status"]) == (413, "too_large") and headers["connection"] == "close"
+    assert took < TIMEOUT
+
+
+@pytest.mark.slow
+def test_a_huge_chunked_body_is_refused_after_the_limit(server: Server) -> None:
+    """A chunk that declares 4 GiB: refused with 413 once 64 KiB have arrived."""
+    sock = connect(server)
+    sock.sendall(
+        b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"FFFFFFFF\r\n" + b"x" * 70_000
+    )
+    status, _, body, _ = answer(sock)
+    assert (status, body["status"]) == (413, "too_large")
+
+
+@pytest.mark.slow
+def test_a_small_chunked_body_is_a_normal_request(server: Server) -> None:
+    """Chunked transfer encoding itself is fine (curl -T - sends it)."""
+    ns = httpx.post(f"{server.api}/lease/namespace").json()["namespace"]
+    payload = ('{"namespace": "%s", "key": "chunked"}' % ns).encode()  # noqa: UP031
+    sock = connect(server)
+    sock.sendall(
+        b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        b"Connection: close\r\n\r\n"
+        + b"%x\r\n%s\r\n" % (10, payload[:10])
+        + b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload) - 10, payload[10:])
+    )
+    status, _, body, _ = answer(sock)
+    assert (status, body["status"]) == (201, "held")
+
+
+@pytest.mark.slow
+def test_a_slowloris_flood_cannot_lock_out_a_normal_client(server: Server) -> None:
+    """Idle connections that fill every slot are closed after the timeout; then a normal
+    client is served. (A client that keeps reopening connections needs a proxy's
+    per-address connection limit: all slots look alike to the server.)"""
+    idle = [connect(server) for _ in range(CAP)]
+    try:
+        time.sleep(0.2)
+        first = httpx.get(f"{server.url}/healthz", timeout=5)
+        assert first.status_code == 503 and first.json()["status"] == "unavailable"
+        deadline = time.monotonic() + TIMEOUT + 3
+        served = None
+        while time.monotonic() < deadline:
+            served = httpx.post(f"{server.api}/lease/namespace", timeout=5)
+            if served.status_code == 201:
+                break
+            time.sleep(0.1)
+        assert served is not None and served.status_code == 201
+    finally:
+        closed = [answer(sock)[0] for sock in idle]
+    assert closed == [408] * CAP
+    metrics = httpx.get(f"{server.url}/metrics").text
+    line = next(m for m in metrics.splitlines() if m.startswith("leasekeeper_slow_clients_total"))
+    assert 'stage="headers"' in line and float(line.split()[-1]) >= CAP

@@ -1,0 +1,169 @@
+"""Operations: request ids in headers and log lines, and the metrics an operator reads."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from leasekeeper import FakeClock
+from leasekeeper._logging import JsonFormatter
+from leasekeeper.store import MemoryStore
+from tests.conftest import Api, ApiFactory
+
+KEY = "invoice:2026-09-05"
+
+
+@pytest.fixture
+def log_lines() -> Iterator[io.StringIO]:
+    """leasekeeper's log records at DEBUG, formatted as in production, one JSON per line."""
+    sink = io.StringIO()
+    handler = logging.StreamHandler(sink)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("leasekeeper")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield sink
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+
+
+def test_every_response_has_its_own_request_id(api: Api) -> None:
+    """X-Request-Id: 16 hex characters, drawn fresh for each response, errors included."""
+    responses = [
+        api.post("/lease/namespace", {}),
+        api.post("/lease", {"key": "short"}),
+        api.client.get("/nothing"),
+        api.post("/lease", content=b"x" * 70_000),
+        api.client.get("/metrics"),
+    ]
+    ids = [r.headers["x-request-id"] for r in responses]
+    assert all(re.fullmatch(r"[0-9a-f]{16}", i) for i in ids)
+    assert len(set(ids)) == len(ids)
+
+
+def test_a_client_cannot_choose_its_request_id(api: Api) -> None:
+    """An incoming X-Request-Id is ignored: a client could put a secret into the logs."""
+    response = api.post("/lease/namespace", {}, headers={"x-request-id": "ns_secret"})
+    assert response.headers["x-request-id"] != "ns_secret"
+    assert response.headers.get_list("x-request-id") == [response.headers["x-request-id"]]
+
+
+def test_log_lines_carry_the_request_id(api: Api, ns: str, log_lines: io.StringIO) -> None:
+    """Every line logged while a request is handled names that request's id, no path."""
+    response = api.acquire(namespace=ns, key=KEY)
+    missing = api.client.get(f"/services/v1/lease/{ns}")
+    lines = [json.loads(line) for line in log_lines.getvalue().splitlines()]
+    by_id = {line.get("request_id"): line for line in lines}
+    access = by_id[response.headers["x-request-id"]]
+    assert access["logger"] == "leasekeeper.access"
+    assert access["message"].startswith("POST acquire 201 ")
+    assert by_id[missing.headers["x-request-id"]]["message"].startswith("GET other 404 ")
+    assert ns not in log_lines.getvalue() and KEY not in log_lines.getvalue()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = re.escape(name) + (r"\{" + re.escape(wanted) + r"\}" if labels else "") + r" (\S+)"
+    found = re.search(r"^" + pattern + r"$", text, re.MULTILINE)
+    assert found, f"{name} {labels} not in metrics"
+    return float(found.group(1))
+
+
+def test_metrics_follow_decisions_store_calls_and_lease_times(
+    api: Api, ns: str, clock: FakeClock
+) -> None:
+    """Outcomes by operation, store latency, granted lengths, waits and work time."""
+    first = api.acquire(namespace=ns, key=KEY, ttl_seconds=30).json()
+    api.acquire(namespace=ns, key=KEY)  # held: told to wait 30 s
+    owner = {"namespace": ns, "key": KEY, "owner_token": first["owner_token"]}
+    api.renew(**owner, ttl_seconds=120)
+    clock.advance(200)
+    api.renew(**owner)  # lost: expired
+    second = api.acquire(namespace=ns, key=KEY, ttl_seconds=120).json()
+    clock.advance(90)
+    api.complete(namespace=ns, key=KEY, owner_token=second["owner_token"], result=1)
+    api.acquire(namespace=ns, key=KEY)  # the result
+    text = api.client.get("/metrics").text
+
+    decisions = "leasekeeper_decisions_total"
+    assert metric(text, decisions, operation="acquire", outcome="granted") == 2
+    assert metric(text, decisions, operation="acquire", outcome="held") == 1
+    assert metric(text, decisions, operation="acquire", outcome="completed") == 1
+    assert metric(text, decisions, operation="renew", outcome="renewed") == 1
+    assert metric(text, decisions, operation="renew", outcome="lost_expired") == 1
+    assert metric(text, decisions, operation="complete", outcome="completed") == 1
+    assert metric(text, "leasekeeper_store_seconds_count", operation="acquire") == 4
+    assert metric(text, "leasekeeper_store_seconds_count", operation="renew") == 2
+    granted = "leasekeeper_lease_granted_seconds"
+    assert metric(text, granted + "_sum", operation="acquire") == 30 + 120
+    assert metric(text, granted + "_sum", operation="renew") == 120
+    assert metric(text, "leasekeeper_lease_wait_seconds_sum") == 30
+    # The lifecycle started at the first acquire; the result came 290 s later.
+    assert metric(text, "leasekeeper_work_seconds_sum") == 290
+    assert metric(text, "leasekeeper_work_seconds_bucket", le="300.0") == 1
+    assert ns not in text and KEY not in text and first["owner_token"] not in text
+
+
+def test_store_failures_are_counted(api: Api, ns: str) -> None:
+    """A store that cannot be reached shows in leasekeeper_store_failures_total."""
+    api.client.portal.call(api.service.store.close)  # type: ignore[union-attr]
+    assert api.acquire(namespace=ns, key=KEY).status_code == 503
+    text = api.client.get("/metrics").text
+    assert metric(text, "leasekeeper_store_failures_total", operation="acquire") == 1
+
+
+@pytest.mark.parametrize("store_kind", ["memory", "sqlite"])
+def test_live_leases_are_counted_by_the_store(
+    make_api: ApiFactory, clock: FakeClock, store_kind: str
+) -> None:
+    """The gauge counts held leases only: not released, completed or expired ones."""
+    api = make_api(store_kind, live_leases_interval_seconds=0.05)
+    ns = api.namespace()
+    tokens = [api.acquire(namespace=ns, key=f"k{i}", ttl_seconds=60).json() for i in range(5)]
+    api.acquire(namespace=ns, key="short", ttl_seconds=1)
+    api.release(namespace=ns, key="k0", owner_token=tokens[0]["owner_token"])
+    api.complete(namespace=ns, key="k1", owner_token=tokens[1]["owner_token"], result=None)
+    clock.advance(2)  # "short" expires
+
+    def live() -> float:
+        return metric(api.client.get("/metrics").text, "leasekeeper_live_leases")
+
+    deadline = time.monotonic() + 5
+    while live() != 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live() == 3
+    counted = metric(
+        api.client.get("/metrics").text, "leasekeeper_live_leases_counted_timestamp_seconds"
+    )
+    assert counted > time.time() - 5
+
+
+def test_a_store_that_cannot_count_shows_no_gauge(make_api: ApiFactory) -> None:
+    """Without a count from the store there is no live-lease gauge, rather than a false 0."""
+
+    class Uncounted:
+        def __init__(self) -> None:
+            self.inner = MemoryStore()
+
+        def __getattr__(self, name: str) -> Any:
+            if name == "count_live":
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    api = make_api(store=Uncounted(), live_leases_interval_seconds=0.05)  # type: ignore[arg-type]
+    deadline = time.monotonic() + 5
+    while "leasekeeper_live_leases" in api.client.get("/metrics").text:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert api.acquire(namespace=api.namespace(), key=KEY).status_code == 201
