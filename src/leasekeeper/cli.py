@@ -69,19 +69,22 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
         settings.port,
         settings.store.partition(":")[0],
     )
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop" if _has("uvloop") else "asyncio",
-        http="httptools" if _has("httptools") else "h11",
-        limit_concurrency=settings.max_connections,
-        access_log=False,
-        log_config=None,
-        timeout_keep_alive=30,
-        server_header=False,
-    )
+    uvicorn.run(app, host=settings.host, port=settings.port, **uvicorn_options(settings))
     del json_unavailable_app
+
+
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
+    """How ``serve`` runs uvicorn (beside host and port); the benchmark's reference app
+    runs with the very same options, so the two are compared on one stack."""
+    return {
+        "loop": "uvloop" if _has("uvloop") else "asyncio",
+        "http": "httptools" if _has("httptools") else "h11",
+        "limit_concurrency": settings.max_connections,
+        "access_log": False,
+        "log_config": None,
+        "timeout_keep_alive": 30,
+        "server_header": False,
+    }
 
 
 def _has(module: str) -> bool:
