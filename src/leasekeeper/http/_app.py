@@ -1,8 +1,13 @@
-"""The HTTP API: Starlette routes that parse, call ``LeaseService`` and render.
+"""The HTTP API: the lease routes, and Starlette for everything else.
 
-Request handling on the hot path is a handful of steps: read the body (at most
-``max_body_bytes``), parse it strictly, validate it, call the service, and write
-the reply with orjson. Every response carries ``Cache-Control: no-store`` and
+A lease request is a handful of steps: read the body (at most ``max_body_bytes``),
+parse it strictly, validate it, call the service, and write the reply with orjson.
+Those steps are one plain ASGI app per route (``LeaseEndpoint``). The outermost
+layer, ``LeaseApp``, calls it directly for ``POST`` on its path: no routing table,
+no middleware stack, no Request or Response objects on the hot path. Starlette
+holds the same endpoint objects as its routes, so other methods on those paths get
+Starlette's 405, and serves everything else (health, metrics, OpenAPI, docs, MCP,
+404). Every response carries ``Cache-Control: no-store`` and
 ``X-Content-Type-Options: nosniff``.
 """
 
@@ -13,7 +18,8 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -26,20 +32,35 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from leasekeeper._core.validation import parse_json_object
-from leasekeeper._errors import LeaseError, PayloadTooLarge, RateLimited, ServiceUnavailable
+from leasekeeper._errors import (
+    InternalError,
+    LeaseError,
+    PayloadTooLarge,
+    RateLimited,
+    ServiceUnavailable,
+)
 from leasekeeper._limits import RateLimiter
 from leasekeeper._metrics import Metrics
 from leasekeeper._service import LeaseService
 from leasekeeper._settings import Settings
-from leasekeeper.http._errors import error_response, http_exception_handler, unexpected_handler
+from leasekeeper.http._errors import (
+    error_parts,
+    error_response,
+    http_exception_handler,
+    unexpected_handler,
+)
 from leasekeeper.http._openapi import DOCS_HTML, openapi_document
 
-__all__ = ["BASE_PATH", "LeaseApp", "create_app", "json_unavailable_app"]
+__all__ = ["BASE_PATH", "LeaseApp", "LeaseEndpoint", "create_app", "json_unavailable_app"]
 
 log = logging.getLogger("leasekeeper.http")
 
 BASE_PATH = "/services/v1"
 _JSON = "application/json"
+_JSON_HEADER = (b"content-type", b"application/json")
+_SECURITY_HEADERS = ((b"cache-control", b"no-store"), (b"x-content-type-options", b"nosniff"))
+#: The metrics' status for a request whose client went away before it was answered.
+CLIENT_GONE = 499
 
 
 def create_app(
@@ -65,57 +86,11 @@ def create_app(
     namespace_limit = RateLimiter(
         settings.namespace_request_rate, settings.namespace_request_burst, monotonic=monotonic
     )
-    max_body = settings.max_body_bytes
-
-    async def read_body(request: Request) -> bytes:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body:
-            raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
-        chunks = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body:
-                raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    def client_address(request: Request) -> str:
-        return request.client.host if request.client else "unknown"
-
-    def limit(limiter: RateLimiter, key: object, what: str) -> None:
-        wait = limiter.take(key)
-        if wait is not None:
-            raise RateLimited(
-                f"Too many {what}; retry after {wait} seconds", retry_after_seconds=wait
-            )
-
-    def lease_endpoint(operation: str) -> Callable[[Request], Any]:
-        async def endpoint(request: Request) -> Response:
-            try:
-                if address_limit.enabled:
-                    limit(address_limit, client_address(request), "requests from this address")
-                raw = await read_body(request)
-                if operation == "namespace":
-                    limit(
-                        mint_limit, client_address(request), "namespaces minted from this address"
-                    )
-                    data: dict[str, Any] = parse_json_object(raw) if raw.strip() else {}
-                else:
-                    data = parse_json_object(raw)
-                namespace = data.get("namespace")
-                if namespace_limit.enabled and isinstance(namespace, str):
-                    digest = hashlib.sha256(namespace.encode("utf-8", "replace")).digest()
-                    limit(namespace_limit, digest, "requests for this namespace")
-                reply = await service.handle(operation, data)
-            except LeaseError as error:
-                return error_response(error)
-            return Response(
-                reply.json_bytes(), status_code=201 if reply.created else 200, media_type=_JSON
-            )
-
-        endpoint.__name__ = f"lease_{operation}"
-        return endpoint
+    limits = _Limits(address_limit, mint_limit, namespace_limit)
+    endpoints = {
+        operation: LeaseEndpoint(operation, service, limits, settings.max_body_bytes)
+        for operation in dict.fromkeys(_ROUTES.values())
+    }
 
     async def healthz(request: Request) -> Response:
         return Response(b'{"ok":true,"status":"alive"}', media_type=_JSON)
@@ -140,12 +115,7 @@ def create_app(
 
     post = ["POST"]
     routes: list[BaseRoute] = [
-        Route(f"{BASE_PATH}/lease/namespace", lease_endpoint("namespace"), methods=post),
-        Route(f"{BASE_PATH}/lease", lease_endpoint("acquire"), methods=post),
-        Route(f"{BASE_PATH}/lease/acquire", lease_endpoint("acquire"), methods=post),
-        Route(f"{BASE_PATH}/lease/renew", lease_endpoint("renew"), methods=post),
-        Route(f"{BASE_PATH}/lease/release", lease_endpoint("release"), methods=post),
-        Route(f"{BASE_PATH}/lease/complete", lease_endpoint("complete"), methods=post),
+        *(Route(path, endpoints[operation], methods=post) for path, operation in _ROUTES.items()),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
@@ -193,10 +163,12 @@ def create_app(
     )
     app.state.metrics = metrics
     app.state.service = service
-    return LeaseApp(app, metrics, settings.max_connections)
+    direct = {path: endpoints[operation] for path, operation in _ROUTES.items()}
+    return LeaseApp(app, metrics, settings.max_connections, direct)
 
 
-_ROUTE_NAMES = {
+#: Lease route path -> operation (a key of ``LeaseService``'s ``OPERATIONS``).
+_ROUTES = {
     f"{BASE_PATH}/lease/namespace": "namespace",
     f"{BASE_PATH}/lease": "acquire",
     f"{BASE_PATH}/lease/acquire": "acquire",
@@ -206,31 +178,177 @@ _ROUTE_NAMES = {
 }
 
 
-class LeaseApp:
-    """The application: Starlette inside one outermost ASGI layer.
+class _ClientGone(Exception):
+    """The client disconnected before its request body arrived."""
 
-    The layer adds the security headers, caps requests in flight and counts
-    request metrics.
+
+@dataclass(frozen=True, slots=True)
+class _Limits:
+    address: RateLimiter
+    mint: RateLimiter
+    namespace: RateLimiter
+
+
+def _limit(limiter: RateLimiter, key: Hashable, what: str) -> None:
+    wait = limiter.take(key)
+    if wait is not None:
+        raise RateLimited(f"Too many {what}; retry after {wait} seconds", retry_after_seconds=wait)
+
+
+def _client_address(scope: Scope) -> str:
+    client = scope.get("client")
+    return str(client[0]) if client else "unknown"
+
+
+async def _send_json(
+    send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    headers = [(b"content-length", str(len(body)).encode("ascii")), _JSON_HEADER]
+    if extra:
+        headers += extra
+    headers += _SECURITY_HEADERS
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class LeaseEndpoint:
+    """One lease route (``operation``) as a plain ASGI app; returns the status it sent.
+
+    It reads the body within ``max_body`` bytes, parses it strictly, applies the
+    rate limits that are switched on, calls ``service.handle`` and answers with the
+    reply or with the error's body from the one error table (``error_parts``).
+    Anything unforeseen is logged and answered 500 ``internal`` without details.
+    """
+
+    def __init__(
+        self, operation: str, service: LeaseService, limits: _Limits, max_body: int
+    ) -> None:
+        self.operation = operation
+        self.service = service
+        self.limits = limits
+        self.max_body = max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> int:
+        extra = None
+        try:
+            status, body = await self._handle(scope, receive)
+        except LeaseError as error:
+            status, body, extra = error_parts(error)
+        except _ClientGone:
+            return CLIENT_GONE
+        except Exception as exc:
+            log.error("unhandled error on POST %s", scope.get("path"), exc_info=exc)
+            status, body, extra = error_parts(InternalError())
+        await _send_json(send, status, body, extra)
+        return status
+
+    async def _handle(self, scope: Scope, receive: Receive) -> tuple[int, bytes]:
+        limits = self.limits
+        if limits.address.enabled:
+            _limit(limits.address, _client_address(scope), "requests from this address")
+        raw = await self._read_body(scope, receive)
+        if self.operation == "namespace":
+            _limit(limits.mint, _client_address(scope), "namespaces minted from this address")
+            data: dict[str, Any] = parse_json_object(raw) if raw.strip() else {}
+        else:
+            data = parse_json_object(raw)
+        namespace = data.get("namespace")
+        if limits.namespace.enabled and isinstance(namespace, str):
+            digest = hashlib.sha256(namespace.encode("utf-8", "replace")).digest()
+            _limit(limits.namespace, digest, "requests for this namespace")
+        reply = await self.service.handle(self.operation, data)
+        return 201 if reply.created else 200, reply.json_bytes()
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        max_body = self.max_body
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                if value.isdigit() and int(value) > max_body:
+                    raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
+                break
+        body = b""
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # http.disconnect
+                raise _ClientGone
+            chunk: bytes = message.get("body", b"")
+            body += chunk  # usually one chunk; at most max_body bytes in all
+            if len(body) > max_body:
+                raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
+            if not message.get("more_body", False):
+                return body
+
+
+class LeaseApp:
+    """The application: the lease routes and Starlette inside one outermost ASGI layer.
+
+    The layer caps requests in flight, counts request metrics, sends ``POST`` to a
+    lease route straight to its ``LeaseEndpoint``, and adds the security headers
+    to whatever Starlette answers.
 
     A plain ASGI wrapper rather than ``BaseHTTPMiddleware``, which would cost a
     task and a stream per request on the hot path.
     """
 
-    def __init__(self, app: Starlette, metrics: Metrics, max_in_flight: int) -> None:
+    def __init__(
+        self,
+        app: Starlette,
+        metrics: Metrics,
+        max_in_flight: int,
+        lease_routes: dict[str, LeaseEndpoint] | None = None,
+    ) -> None:
         self.app = app
         self.state = app.state
         self.router = app.router
         self.metrics = metrics
         self.max_in_flight = max_in_flight
         self.in_flight = 0
-        self._busy = error_response(
+        self.lease_routes = lease_routes or {}
+        self._route_names = {path: e.operation for path, e in self.lease_routes.items()}
+        metrics.in_flight.set_function(lambda: self.in_flight)
+        self._busy = error_parts(
             ServiceUnavailable("The server is at its connection limit; retry shortly")
         )
+        # prometheus_client's labels() costs a lock and a tuple per call: keep the children.
+        self._counted: dict[tuple[str, int], Callable[[], None]] = {}
+        self._timed: dict[str, Callable[[float], None]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        path = scope["path"]
+        if self.in_flight >= self.max_in_flight:
+            status, body, extra = self._busy
+            await _send_json(send, status, body, extra)
+            self._count(self._route_names.get(path, "other"), status)
+            return
+        endpoint = self.lease_routes.get(path) if scope["method"] == "POST" else None
+        started = time.perf_counter()
+        self.in_flight += 1
+        status = 500
+        try:
+            if endpoint is not None:
+                status = await endpoint(scope, receive, send)
+            else:
+                status = await self._starlette(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+            route = self._route_names.get(path, "other")
+            self._count(route, status)
+            observe = self._timed.get(route)
+            if observe is None:
+                observe = self._timed[route] = self.metrics.latency.labels(route).observe
+            observe(time.perf_counter() - started)
+
+    def _count(self, route: str, status: int) -> None:
+        increment = self._counted.get((route, status))
+        if increment is None:
+            child = self.metrics.requests.labels(route, str(status))
+            increment = self._counted[(route, status)] = child.inc
+        increment()
+
+    async def _starlette(self, scope: Scope, receive: Receive, send: Send) -> int:
         status_code = 500
 
         async def send_with_headers(message: Message) -> None:
@@ -242,25 +360,12 @@ class LeaseApp:
                     for name, value in message.get("headers", [])
                     if name.lower() not in (b"cache-control", b"x-content-type-options")
                 ]
-                headers.append((b"cache-control", b"no-store"))
-                headers.append((b"x-content-type-options", b"nosniff"))
+                headers.extend(_SECURITY_HEADERS)
                 message = {**message, "headers": headers}
             await send(message)
 
-        if self.in_flight >= self.max_in_flight:
-            await self._busy(scope, receive, send_with_headers)
-            return
-        route = _ROUTE_NAMES.get(scope["path"], "other")
-        started = time.perf_counter()
-        self.in_flight += 1
-        self.metrics.in_flight.inc()
-        try:
-            await self.app(scope, receive, send_with_headers)
-        finally:
-            self.in_flight -= 1
-            self.metrics.in_flight.dec()
-            self.metrics.requests.labels(route, str(status_code)).inc()
-            self.metrics.latency.labels(route).observe(time.perf_counter() - started)
+        await self.app(scope, receive, send_with_headers)
+        return status_code
 
 
 def json_unavailable_app() -> ASGIApp:
