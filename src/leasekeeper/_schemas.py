@@ -11,6 +11,7 @@ rule; the value itself is never repeated.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Annotated, Any, TypeVar
 
@@ -68,18 +69,25 @@ class _KeyBody(_Body):
     @model_validator(mode="after")
     def _check_key(self) -> Any:
         if self.namespace is not None:
-            if secrets.parse_namespace(self.namespace) is None:
+            if self._namespace_secret is None:
                 raise InvalidRequest(f"Invalid namespace: {FIELD_RULES['namespace']}")
             validation.check_namespaced_key(self.key)
         else:
             validation.check_bare_key(self.key)
-        owner_token = getattr(self, "owner_token", None)
+        # Read from the instance's fields: getattr() on a body without the field would
+        # go through pydantic's __getattr__ and raise and catch an AttributeError.
+        owner_token = self.__dict__.get("owner_token")
         if owner_token is not None and not secrets.valid_owner_token(owner_token):
             raise InvalidRequest(f"Invalid owner_token: {FIELD_RULES['owner_token']}")
         return self
 
     def namespace_secret(self) -> bytes | None:
         """The namespace's secret bytes (already validated), or None without one."""
+        return self._namespace_secret
+
+    @functools.cached_property
+    def _namespace_secret(self) -> bytes | None:
+        # Parsed once, by the validator (None there means malformed).
         return None if self.namespace is None else secrets.parse_namespace(self.namespace)
 
 

@@ -14,6 +14,7 @@ from leasekeeper._logging import configure_logging
 from leasekeeper._service import LeaseService
 from leasekeeper._settings import Settings, SettingsError
 from leasekeeper.client._cli import CLIENT_COMMANDS
+from leasekeeper.http._protocol import guard_protocol
 from leasekeeper.store import StoreURLError, open_store
 
 __all__ = ["main"]
@@ -64,7 +65,6 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
     import uvicorn
 
     from leasekeeper.http import create_app
-    from leasekeeper.http._protocol import guard_protocol
     from leasekeeper.mcp import quiet_sdk_logs, streamable_http_mount
 
     settings = _settings(host=host, port=port, store=store)
@@ -84,18 +84,25 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
         settings.port,
         settings.store.partition(":")[0],
     )
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop" if _has("uvloop") else "asyncio",
-        http=protocol,
-        limit_concurrency=settings.max_connections,
-        access_log=False,
-        log_config=None,
-        timeout_keep_alive=settings.keep_alive_seconds,
-        server_header=False,
-    )
+    uvicorn.run(app, host=settings.host, port=settings.port, **uvicorn_options(settings, protocol))
+
+
+def uvicorn_options(
+    settings: Settings, protocol: type[asyncio.Protocol] | None = None
+) -> dict[str, Any]:
+    """How ``serve`` runs uvicorn (beside host and port); the benchmark's reference app
+    runs with the very same options, so the two are compared on one stack."""
+    if protocol is None:
+        protocol = guard_protocol(_http_protocol(), settings.request_timeout_seconds)
+    return {
+        "loop": "uvloop" if _has("uvloop") else "asyncio",
+        "http": protocol,
+        "limit_concurrency": settings.max_connections,
+        "access_log": False,
+        "log_config": None,
+        "timeout_keep_alive": settings.keep_alive_seconds,
+        "server_header": False,
+    }
 
 
 def _http_protocol() -> type[asyncio.Protocol]:

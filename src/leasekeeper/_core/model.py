@@ -6,7 +6,6 @@ milliseconds; digests are raw ``bytes`` (see ``_core.secrets``).
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -199,5 +198,18 @@ class Decision:
         """This decision with the new owner's fencing token filled in."""
         if not self.new_owner or self.write is None or not isinstance(self.outcome, Granted):
             raise ValueError("only a decision that grants a new owner takes a fencing token")
-        record = dataclasses.replace(self.write, fencing_token=fencing_token)
+        w = self.write
+        # The constructor rather than dataclasses.replace: this runs for every grant,
+        # and replace() costs twice as much.
+        record = LeaseRecord(
+            w.key_id,
+            w.fingerprint,
+            w.absolute_expires_ms,
+            fencing_token,
+            w.owner,
+            w.lease_expires_ms,
+            w.completed_ms,
+            w.result,
+            w.updated_ms,
+        )
         return Decision(Granted(record, self.outcome.now_ms), record, new_owner=False)

@@ -14,21 +14,22 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from leasekeeper._core.validation import parse_json_object
 from leasekeeper._errors import (
-    InvalidRequest,
+    InternalError,
     LeaseError,
     PayloadTooLarge,
     RateLimited,
@@ -40,10 +41,15 @@ from leasekeeper._logging import REQUEST_ID
 from leasekeeper._metrics import Metrics
 from leasekeeper._service import LeaseService
 from leasekeeper._settings import Settings
-from leasekeeper.http._errors import error_response, http_exception_handler, unexpected_handler
+from leasekeeper.http._errors import (
+    error_parts,
+    error_response,
+    http_exception_handler,
+    unexpected_handler,
+)
 from leasekeeper.http._openapi import DOCS_HTML, openapi_document
 
-__all__ = ["BASE_PATH", "LeaseApp", "create_app", "json_unavailable_app"]
+__all__ = ["BASE_PATH", "LeaseApp", "LeaseEndpoint", "create_app", "json_unavailable_app"]
 
 log = logging.getLogger("leasekeeper.http")
 access_log = logging.getLogger("leasekeeper.access")
@@ -52,6 +58,10 @@ BASE_PATH = "/services/v1"
 _JSON = "application/json"
 _JSON_WHITESPACE = b" \t\r\n"
 _OWN_HEADERS = (b"cache-control", b"x-content-type-options", b"x-request-id")
+_JSON_HEADER = (b"content-type", b"application/json")
+_SECURITY_HEADERS = ((b"cache-control", b"no-store"), (b"x-content-type-options", b"nosniff"))
+#: The metrics' status for a request whose client went away before it was answered.
+CLIENT_GONE = 499
 
 
 def create_app(
@@ -78,79 +88,18 @@ def create_app(
     namespace_limit = RateLimiter(
         settings.namespace_request_rate, settings.namespace_request_burst, monotonic=monotonic
     )
-    max_body = settings.max_body_bytes
-    body_timeout = settings.request_timeout_seconds
-
-    async def read_body(request: Request) -> bytes:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body:
-            raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
-        chunks = []
-        size = 0
-        try:
-            # A client trickling its body (or lying about its length) must not hold a
-            # connection forever; the headers have their own bound (http._protocol).
-            async with asyncio.timeout(body_timeout):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > max_body:
-                        raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
-                    chunks.append(chunk)
-        except ClientDisconnect:
-            # Nobody is left to answer; a client going away is not a server fault.
-            raise InvalidRequest("The client disconnected before sending the whole body") from None
-        except TimeoutError:
-            metrics.slow_clients.labels("body").inc()
-            raise RequestTimeout(
-                f"The request body was not received within {body_timeout:g} seconds"
-            ) from None
-        return b"".join(chunks)
-
-    def client_address(request: Request) -> str:
-        return request.client.host if request.client else "unknown"
-
-    def limit(limiter: RateLimiter, key: object, what: str) -> None:
-        wait = limiter.take(key)
-        if wait is not None:
-            raise RateLimited(
-                f"Too many {what}; retry after {wait} seconds", retry_after_seconds=wait
-            )
-
-    def lease_endpoint(operation: str) -> Callable[[Request], Any]:
-        async def endpoint(request: Request) -> Response:
-            body_read = False
-            try:
-                if address_limit.enabled:
-                    limit(address_limit, client_address(request), "requests from this address")
-                raw = await read_body(request)
-                body_read = True
-                if operation == "namespace":
-                    limit(
-                        mint_limit, client_address(request), "namespaces minted from this address"
-                    )
-                    # Only JSON's own whitespace makes an empty body: bytes.strip() would also
-                    # drop \x0b and \x0c, which are not JSON and must be refused.
-                    empty = not raw.strip(_JSON_WHITESPACE)
-                    data: dict[str, Any] = {} if empty else parse_json_object(raw)
-                else:
-                    data = parse_json_object(raw)
-                namespace = data.get("namespace")
-                if namespace_limit.enabled and isinstance(namespace, str):
-                    digest = hashlib.sha256(namespace.encode("utf-8", "replace")).digest()
-                    limit(namespace_limit, digest, "requests for this namespace")
-                reply = await service.handle(operation, data)
-            except LeaseError as error:
-                response = error_response(error)
-                if not body_read:
-                    # The rest of the body may still be on its way: end the connection.
-                    response.headers["connection"] = "close"
-                return response
-            return Response(
-                reply.json_bytes(), status_code=201 if reply.created else 200, media_type=_JSON
-            )
-
-        endpoint.__name__ = f"lease_{operation}"
-        return endpoint
+    limits = _Limits(address_limit, mint_limit, namespace_limit)
+    endpoints = {
+        operation: LeaseEndpoint(
+            operation,
+            service,
+            limits,
+            settings.max_body_bytes,
+            settings.request_timeout_seconds,
+            metrics,
+        )
+        for operation in dict.fromkeys(_ROUTES.values())
+    }
 
     async def healthz(request: Request) -> Response:
         return Response(b'{"ok":true,"status":"alive"}', media_type=_JSON)
@@ -175,12 +124,7 @@ def create_app(
 
     post = ["POST"]
     routes: list[BaseRoute] = [
-        Route(f"{BASE_PATH}/lease/namespace", lease_endpoint("namespace"), methods=post),
-        Route(f"{BASE_PATH}/lease", lease_endpoint("acquire"), methods=post),
-        Route(f"{BASE_PATH}/lease/acquire", lease_endpoint("acquire"), methods=post),
-        Route(f"{BASE_PATH}/lease/renew", lease_endpoint("renew"), methods=post),
-        Route(f"{BASE_PATH}/lease/release", lease_endpoint("release"), methods=post),
-        Route(f"{BASE_PATH}/lease/complete", lease_endpoint("complete"), methods=post),
+        *(Route(path, endpoints[operation], methods=post) for path, operation in _ROUTES.items()),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
@@ -250,18 +194,24 @@ def create_app(
     )
     app.state.metrics = metrics
     app.state.service = service
-    return LeaseApp(app, metrics, settings.max_connections)
+    direct = {path: endpoints[operation] for path, operation in _ROUTES.items()}
+    return LeaseApp(app, metrics, settings.max_connections, direct)
 
 
-#: Route names for metrics and logs: a fixed set, so an unknown path (which a client
-#: could fill with a secret) is only ever "other".
-_ROUTE_NAMES = {
+#: Lease route path -> operation (a key of ``LeaseService``'s ``OPERATIONS``).
+_ROUTES = {
     f"{BASE_PATH}/lease/namespace": "namespace",
     f"{BASE_PATH}/lease": "acquire",
     f"{BASE_PATH}/lease/acquire": "acquire",
     f"{BASE_PATH}/lease/renew": "renew",
     f"{BASE_PATH}/lease/release": "release",
     f"{BASE_PATH}/lease/complete": "complete",
+}
+
+#: Route names for metrics and logs: a fixed set, so an unknown path (which a client
+#: could fill with a secret) is only ever "other".
+_ROUTE_NAMES = {
+    **_ROUTES,
     "/healthz": "healthz",
     "/readyz": "readyz",
     "/metrics": "metrics",
@@ -270,75 +220,239 @@ _ROUTE_NAMES = {
 }
 
 
+class _ClientGone(Exception):
+    """The client disconnected before its request body arrived."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Limits:
+    address: RateLimiter
+    mint: RateLimiter
+    namespace: RateLimiter
+
+
+def _limit(limiter: RateLimiter, key: Hashable, what: str) -> None:
+    wait = limiter.take(key)
+    if wait is not None:
+        raise RateLimited(f"Too many {what}; retry after {wait} seconds", retry_after_seconds=wait)
+
+
+def _client_address(scope: Scope) -> str:
+    client = scope.get("client")
+    return str(client[0]) if client else "unknown"
+
+
+async def _send_json(
+    send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    headers = [(b"content-length", str(len(body)).encode("ascii")), _JSON_HEADER]
+    if extra:
+        headers += extra
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class LeaseEndpoint:
+    """One lease route (``operation``) as a plain ASGI app; returns the status it sent.
+
+    It reads the body within ``max_body`` bytes and ``body_timeout`` seconds, parses
+    it strictly, applies the rate limits that are switched on, calls
+    ``service.handle`` and answers with the reply or with the error's body from the
+    one error table (``error_parts``). Anything unforeseen is logged and answered
+    500 ``internal`` without details. A client that went away gets no answer.
+    """
+
+    def __init__(
+        self,
+        operation: str,
+        service: LeaseService,
+        limits: _Limits,
+        max_body: int,
+        body_timeout: float,
+        metrics: Metrics,
+    ) -> None:
+        self.operation = operation
+        self.service = service
+        self.limits = limits
+        self.max_body = max_body
+        self.body_timeout = body_timeout
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> int:
+        extra = None
+        state = {"body_read": False}
+        try:
+            status, body = await self._handle(scope, receive, state)
+        except LeaseError as error:
+            status, body, extra = error_parts(error)
+            if not state["body_read"]:
+                # The rest of the body may still be on its way: end the connection.
+                extra.append((b"connection", b"close"))
+        except _ClientGone:
+            return CLIENT_GONE
+        except Exception as exc:
+            log.error("unhandled error on POST %s", _ROUTE_NAMES.get(scope["path"]), exc_info=exc)
+            status, body, extra = error_parts(InternalError())
+        await _send_json(send, status, body, extra)
+        return status
+
+    async def _handle(
+        self, scope: Scope, receive: Receive, state: dict[str, bool]
+    ) -> tuple[int, bytes]:
+        limits = self.limits
+        if limits.address.enabled:
+            _limit(limits.address, _client_address(scope), "requests from this address")
+        raw = await self._read_body(scope, receive)
+        state["body_read"] = True
+        if self.operation == "namespace":
+            _limit(limits.mint, _client_address(scope), "namespaces minted from this address")
+            # Only JSON's own whitespace makes an empty body: bytes.strip() would also
+            # drop \x0b and \x0c, which are not JSON and must be refused.
+            empty = not raw.strip(_JSON_WHITESPACE)
+            data: dict[str, Any] = {} if empty else parse_json_object(raw)
+        else:
+            data = parse_json_object(raw)
+        namespace = data.get("namespace")
+        if limits.namespace.enabled and isinstance(namespace, str):
+            digest = hashlib.sha256(namespace.encode("utf-8", "replace")).digest()
+            _limit(limits.namespace, digest, "requests for this namespace")
+        reply = await self.service.handle(self.operation, data)
+        return 201 if reply.created else 200, reply.json_bytes()
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        max_body = self.max_body
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                if value.isdigit() and int(value) > max_body:
+                    raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
+                break
+        body = b""
+        try:
+            # A client trickling its body (or lying about its length) must not hold a
+            # connection forever; the headers have their own bound (http._protocol).
+            async with asyncio.timeout(self.body_timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":  # http.disconnect
+                        raise _ClientGone
+                    chunk: bytes = message.get("body", b"")
+                    body += chunk  # usually one chunk; at most max_body bytes in all
+                    if len(body) > max_body:
+                        raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
+                    if not message.get("more_body", False):
+                        return body
+        except TimeoutError:
+            self.metrics.slow_clients.labels("body").inc()
+            raise RequestTimeout(
+                f"The request body was not received within {self.body_timeout:g} seconds"
+            ) from None
+
+
 class LeaseApp:
-    """The application: Starlette inside one outermost ASGI layer.
+    """The application: the lease routes and Starlette inside one outermost ASGI layer.
 
     The layer draws each request's id (``X-Request-Id``, and ``request_id`` in its
     log lines), adds the security headers, caps requests in flight, counts request
-    metrics and, at DEBUG, logs one line per request (method, route name, status,
-    time; never a path, body or header value).
+    metrics, sends ``POST`` to a lease route straight to its ``LeaseEndpoint`` and
+    everything else to Starlette, and at DEBUG logs one line per request (method,
+    route name, status, time; never a path, body or header value).
 
     A plain ASGI wrapper rather than ``BaseHTTPMiddleware``, which would cost a
     task and a stream per request on the hot path.
     """
 
-    def __init__(self, app: Starlette, metrics: Metrics, max_in_flight: int) -> None:
+    def __init__(
+        self,
+        app: Starlette,
+        metrics: Metrics,
+        max_in_flight: int,
+        lease_routes: dict[str, LeaseEndpoint] | None = None,
+    ) -> None:
         self.app = app
         self.state = app.state
         self.router = app.router
         self.metrics = metrics
         self.max_in_flight = max_in_flight
         self.in_flight = 0
-        self._busy = error_response(
+        self.lease_routes = lease_routes or {}
+        metrics.in_flight.set_function(lambda: self.in_flight)
+        self._busy = error_parts(
             ServiceUnavailable("The server is at its connection limit; retry shortly")
         )
+        # prometheus_client's labels() costs a lock and a tuple per call: keep the children.
+        self._counted: dict[tuple[str, int], Callable[[], None]] = {}
+        self._timed: dict[str, Callable[[float], None]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status_code = 500
         request_id = os.urandom(8).hex()
         reset = REQUEST_ID.set(request_id)
         header_id = request_id.encode("ascii")
 
         async def send_with_headers(message: Message) -> None:
-            nonlocal status_code
             if message["type"] == "http.response.start":
-                status_code = message["status"]
                 headers = [
                     (name, value)
                     for name, value in message.get("headers", [])
                     if name.lower() not in _OWN_HEADERS
                 ]
-                headers.append((b"cache-control", b"no-store"))
-                headers.append((b"x-content-type-options", b"nosniff"))
+                headers.extend(_SECURITY_HEADERS)
                 headers.append((b"x-request-id", header_id))
                 message = {**message, "headers": headers}
             await send(message)
 
+        path = scope["path"]
+        route = _ROUTE_NAMES.get(path, "other")
         try:
             if self.in_flight >= self.max_in_flight:
-                await self._busy(scope, receive, send_with_headers)
+                status, body, extra = self._busy
+                await _send_json(send_with_headers, status, body, list(extra))
+                self._count(route, status)
                 return
-            route = _ROUTE_NAMES.get(scope["path"], "other")
+            endpoint = self.lease_routes.get(path) if scope["method"] == "POST" else None
             started = time.perf_counter()
             self.in_flight += 1
-            self.metrics.in_flight.inc()
+            status = 500
             try:
-                await self.app(scope, receive, send_with_headers)
+                if endpoint is not None:
+                    status = await endpoint(scope, receive, send_with_headers)
+                else:
+                    status = await self._starlette(scope, receive, send_with_headers)
             finally:
                 elapsed = time.perf_counter() - started
                 self.in_flight -= 1
-                self.metrics.in_flight.dec()
-                self.metrics.requests.labels(route, str(status_code)).inc()
-                self.metrics.latency.labels(route).observe(elapsed)
+                self._count(route, status)
+                observe = self._timed.get(route)
+                if observe is None:
+                    observe = self._timed[route] = self.metrics.latency.labels(route).observe
+                observe(elapsed)
                 if access_log.isEnabledFor(logging.DEBUG):
                     access_log.debug(
-                        "%s %s %d %.1fms", scope["method"], route, status_code, elapsed * 1000
+                        "%s %s %d %.1fms", scope["method"], route, status, elapsed * 1000
                     )
         finally:
             REQUEST_ID.reset(reset)
+
+    def _count(self, route: str, status: int) -> None:
+        increment = self._counted.get((route, status))
+        if increment is None:
+            child = self.metrics.requests.labels(route, str(status))
+            increment = self._counted[(route, status)] = child.inc
+        increment()
+
+    async def _starlette(self, scope: Scope, receive: Receive, send: Send) -> int:
+        status_code = 500
+
+        async def send_seen(message: Message) -> None:
+            nonlocal status_code
+            if message["type"] == "http.response.start":
+                status_code = message["status"]
+            await send(message)
+
+        await self.app(scope, receive, send_seen)
+        return status_code
 
 
 def json_unavailable_app() -> ASGIApp:

@@ -24,7 +24,13 @@ from leasekeeper._errors import (
     ServiceUnavailable,
 )
 
-__all__ = ["STATUS_CODES", "error_response", "http_exception_handler", "unexpected_handler"]
+__all__ = [
+    "STATUS_CODES",
+    "error_parts",
+    "error_response",
+    "http_exception_handler",
+    "unexpected_handler",
+]
 
 log = logging.getLogger("leasekeeper.http")
 
@@ -60,17 +66,21 @@ def status_code(error: LeaseError) -> int:
     return 500
 
 
+def error_parts(error: LeaseError) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    """Status code, JSON body and extra headers (``Retry-After`` where waiting helps) for
+    ``error``; ``error_response`` and the direct lease routes both answer with these."""
+    headers = []
+    if error.retry_after is not None:
+        headers.append((b"retry-after", str(error.retry_after).encode("ascii")))
+    return status_code(error), orjson.dumps(error.body()), headers
+
+
 def error_response(error: LeaseError) -> Response:
     """The JSON response for ``error``, with ``Retry-After`` where waiting helps."""
-    headers = None
-    if error.retry_after is not None:
-        headers = {"retry-after": str(error.retry_after)}
-    return Response(
-        orjson.dumps(error.body()),
-        status_code=status_code(error),
-        headers=headers,
-        media_type="application/json",
-    )
+    code, body, headers = error_parts(error)
+    response = Response(body, status_code=code, media_type="application/json")
+    response.raw_headers.extend(headers)
+    return response
 
 
 async def http_exception_handler(request: Request, exc: Exception) -> Response:

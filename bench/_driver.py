@@ -1,0 +1,473 @@
+"""The benchmark's command line and plan: what runs, in which order, for how long.
+
+For each store (one server process each, a fresh database each)::
+
+    empty store      reference 64 conns, the five workloads at 64 conns,
+                     reference 1 conn, the five workloads at 1 conn, reference 64 again
+    1,000,000 live   reference 64, the five workloads at 64 conns
+    1,000,000 over   a server whose cleanup starts after 1 s; acquire at 64 conns in
+                     windows until the cleanup has deleted every record
+
+then etcd 3.4 (acquire at 64 and 1 connections). The ratio of a run is its rate over
+the reference's rate measured around it (the mean of the runs before and after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import _report
+from bench._procs import Process, start_etcd, start_leasekeeper, start_reference
+from bench._stores import PostgresTarget, SqliteTarget, StoreTarget, Unavailable
+from bench._wrk import Run, run_wrk
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = ("acquire", "idempotency", "cycle", "contention", "heartbeat")
+DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
+APT = "apt-get install -y wrk etcd-server"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How long and how big; ``--quick`` shrinks everything for a smoke run."""
+
+    seconds: int  # one run at 64 connections
+    seconds_one: int  # one run at 1 connection
+    warmup: int
+    records: int  # pre-filled records for growth and cleanup
+    holders: int  # leases renewed by the heartbeat workload
+    cleanup_window: int
+    cleanup_windows: int  # at most this many windows while the cleanup runs
+    connections: int = 64
+    keys: int = 10_000  # key space of the acquire -> release cycles
+    hot_keys: int = 10  # contention
+
+    @classmethod
+    def make(cls, quick: bool, records: int | None) -> Plan:
+        if quick:
+            return cls(2, 1, 1, records or 100_000, 1_000, 2, 15)
+        return cls(8, 4, 2, records or 1_000_000, 10_000, 4, 30)
+
+
+@dataclass
+class Section:
+    """The runs of one store, or of etcd; ``notes`` say what was skipped and why."""
+
+    target: str
+    runs: list[Run] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="leasekeeper's benchmark (see README, Performance). Needs wrk; etcd-server "
+        f"for the peer. On Debian: {APT}",
+    )
+    parser.add_argument("--quick", action="store_true", help="a smoke run of about a minute")
+    parser.add_argument(
+        "--stores",
+        default=None,
+        help="comma-separated: sqlite,postgresql (default: both; sqlite with --quick)",
+    )
+    parser.add_argument(
+        "--postgres-url",
+        default=os.environ.get("LEASEKEEPER_TEST_POSTGRES_URL") or DEFAULT_POSTGRES,
+        help="a database the bench may create and drop schemas in [%(default)s]",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="the JSON results file")
+    parser.add_argument("--records", type=int, default=None, help="records for growth/cleanup")
+    parser.add_argument(
+        "--only",
+        default=",".join(WORKLOADS),
+        help="comma-separated workloads to run [%(default)s]",
+    )
+    parser.add_argument("--no-growth", action="store_true", help="skip the 1M-record runs")
+    parser.add_argument("--no-etcd", action="store_true", help="skip the etcd peer")
+    parser.add_argument("--no-single", action="store_true", help="skip the 1-connection runs")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check tools and stores, print the plan, exit"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    plan = Plan.make(args.quick, args.records)
+    stores = (args.stores or ("sqlite" if args.quick else "sqlite,postgresql")).split(",")
+    workloads = [w for w in args.only.split(",") if w]
+    unknown = [w for w in workloads if w not in WORKLOADS] + [
+        s for s in stores if s not in ("sqlite", "postgresql")
+    ]
+    if unknown:
+        print(f"unknown workloads or stores: {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    wrk = shutil.which("wrk")
+    etcd = None if args.no_etcd else shutil.which("etcd")
+    print(f"plan: {plan}; stores {stores}; workloads {workloads}")
+    if wrk is None:
+        print(f"wrk is not installed: the benchmark needs it ({APT})", file=sys.stderr)
+        return 0 if args.dry_run else 1
+    if etcd is None and not args.no_etcd:
+        print(f"etcd is not installed, the peer is skipped ({APT})")
+    if args.dry_run:
+        for name in stores:
+            with _target(name, Path(tempfile.gettempdir()), args.postgres_url) as (target, why):
+                print(f"store {name}: {'ready' if target else why}")
+        return 0
+
+    out = args.out or ROOT / "bench" / "results" / time.strftime("bench-%Y%m%d-%H%M%S.json")
+    started = time.time()
+    sections: list[Section] = []
+    with tempfile.TemporaryDirectory(prefix="leasekeeper-bench-") as tmp:
+        workdir = Path(tmp)
+        machine = _machine(workdir)
+        reference = start_reference(workdir)
+        bench = Bench(wrk, plan, workdir, reference, workloads, single=not args.no_single)
+        try:
+            for name in stores:
+                section = Section(name)
+                sections.append(section)
+                with _target(name, workdir, args.postgres_url) as (target, why):
+                    if target is None:
+                        section.notes.append(f"{name}: {why}")
+                        print(f"\n== {name}: skipped: {why}")
+                        continue
+                    bench.store(target, section, growth=not args.no_growth)
+            if etcd is not None:
+                section = Section("etcd")
+                sections.append(section)
+                bench.etcd(etcd, section)
+            elif not args.no_etcd:
+                sections.append(Section("etcd", notes=[f"etcd is not installed ({APT})"]))
+        finally:
+            reference.stop()
+    machine["loadavg_after"] = os.getloadavg()
+    results = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "minutes": round((time.time() - started) / 60, 1),
+        "machine": machine,
+        "plan": plan.__dict__,
+        "sections": [
+            {"target": s.target, "notes": s.notes, "runs": [r.as_dict() for r in s.runs]}
+            for s in sections
+        ],
+    }
+    results["targets"] = _report.targets(results)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print()
+    print(_report.render(results))
+    print(f"\nresults: {out}")
+    return 0
+
+
+@contextlib.contextmanager
+def _target(
+    name: str, workdir: Path, postgres_url: str
+) -> Iterator[tuple[StoreTarget | None, str]]:
+    if name == "sqlite":
+        yield SqliteTarget(workdir), ""
+        return
+    try:
+        target = PostgresTarget(postgres_url)
+    except Unavailable as exc:
+        yield None, str(exc)
+        return
+    try:
+        yield target, ""
+    finally:
+        target.close()
+
+
+class Bench:
+    """Runs the plan against servers; every run is appended to its section."""
+
+    def __init__(
+        self,
+        wrk: str,
+        plan: Plan,
+        workdir: Path,
+        reference: Process,
+        workloads: list[str],
+        *,
+        single: bool,
+    ) -> None:
+        self.wrk = wrk
+        self.plan = plan
+        self.workdir = workdir
+        self.reference = reference
+        self.workloads = workloads
+        self.single = single
+
+    # -- one store -------------------------------------------------------------------------
+
+    def store(self, target: StoreTarget, section: Section, *, growth: bool) -> None:
+        plan = self.plan
+        print(f"\n== {target.name}: empty store")
+        url = target.fresh()
+        with self._server(url) as server:
+            holders = self._holders(server) if "heartbeat" in self.workloads else None
+            self._warm(server)
+            runs = [self._reference(target.name, plan.connections, "before")]
+            runs += [
+                self._run(server, target.name, w, plan.connections, holders) for w in self.workloads
+            ]
+            if self.single:
+                runs.append(self._reference(target.name, 1))
+                runs += [self._run(server, target.name, w, 1, holders) for w in self.workloads]
+            runs.append(self._reference(target.name, plan.connections, "after"))
+        target.discard(url)
+        section.runs += runs
+        if not growth:
+            return
+
+        print(f"\n== {target.name}: {plan.records:,} records already stored")
+        url = target.fresh()
+        try:
+            seconds = _timed(lambda: target.prefill(url, plan.records, expired=False))
+        except Unavailable as exc:
+            section.notes.append(f"growth: {exc}")
+            target.discard(url)
+            return
+        print(f"   pre-filled {plan.records:,} records in {seconds:.1f} s")
+        with self._server(url) as server:
+            holders = self._holders(server) if "heartbeat" in self.workloads else None
+            self._warm(server)
+            runs = [self._reference(f"{target.name}+{plan.records}", plan.connections)]
+            for w in self.workloads:
+                run = self._run(
+                    server, f"{target.name}+{plan.records}", w, plan.connections, holders
+                )
+                runs.append(run)
+        target.discard(url)
+        section.runs += runs
+
+        print(f"\n== {target.name}: cleanup of {plan.records:,} expired records under load")
+        url = target.fresh()
+        seconds = _timed(lambda: target.prefill(url, plan.records, expired=True))
+        print(f"   pre-filled {plan.records:,} expired records in {seconds:.1f} s")
+        env = {"LEASEKEEPER_CLEANUP_INTERVAL_SECONDS": "1"}
+        name = f"{target.name}:cleanup"
+        with self._server(url, env) as server:
+            began = time.monotonic()
+            for window in range(plan.cleanup_windows):
+                run = self._run(
+                    server, name, "acquire", plan.connections, None, plan.cleanup_window
+                )
+                left = target.expired(url)
+                run.extra.update(
+                    expired_left=left, window=window, elapsed_s=round(time.monotonic() - began, 1)
+                )
+                section.runs.append(run)
+                print(f"   expired records left: {left:,}")
+                if left == 0:
+                    break
+            else:
+                section.notes.append(
+                    f"cleanup not finished after {plan.cleanup_windows} windows of "
+                    f"{plan.cleanup_window} s"
+                )
+        target.discard(url)
+
+    # -- etcd ------------------------------------------------------------------------------
+
+    def etcd(self, etcd: str, section: Section) -> None:
+        print("\n== etcd 3.4: lease grant + put-if-absent transaction (JSON gateway)")
+        etcd_dir = self.workdir / "etcd"
+        etcd_dir.mkdir()
+        server = start_etcd(etcd, etcd_dir)
+        try:
+            version = httpx.get(server.url + "/version", timeout=5).json()
+            section.notes.append(f"etcd {version.get('etcdserver', '?')}, one member, fsync on")
+            # Arguments: a fresh run tag each time (keys never repeat), no namespace.
+            warm = self.plan.warmup
+            self._wrk(server, "warm-up", "etcd_acquire", self.plan.connections, warm, [_tag(), "-"])
+            for connections in (
+                (self.plan.connections, 1) if self.single else (self.plan.connections,)
+            ):
+                seconds = self.plan.seconds if connections > 1 else self.plan.seconds_one
+                run = self._wrk(
+                    server, "etcd", "etcd_acquire", connections, seconds, [_tag(), "-"], "acquired"
+                )
+                section.runs.append(run)
+        finally:
+            server.stop()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _server(self, url: str, env: dict[str, str] | None = None) -> Iterator[Process]:
+        server = start_leasekeeper(url, self.workdir, env)
+        try:
+            yield server
+        finally:
+            server.stop()
+
+    def _warm(self, server: Process) -> None:
+        self._run(server, "warm-up", "acquire", self.plan.connections, None, self.plan.warmup)
+
+    def _reference(self, label: str, connections: int, when: str = "") -> Run:
+        seconds = self.plan.seconds if connections > 1 else self.plan.seconds_one
+        args = [_tag(), "ns_" + "A" * 43]
+        run = self._wrk(
+            self.reference, f"reference@{label}", "reference", connections, seconds, args
+        )
+        if when:
+            run.extra["when"] = when
+        return run
+
+    def _run(
+        self,
+        server: Process,
+        target: str,
+        workload: str,
+        connections: int,
+        holders: tuple[str, Path] | None,
+        seconds: int | None = None,
+    ) -> Run:
+        if seconds is None:
+            seconds = self.plan.seconds if connections > 1 else self.plan.seconds_one
+        args = [_tag(), _mint(server)]
+        if workload == "cycle":
+            args.append(str(self.plan.keys))
+        elif workload == "contention":
+            args.append(str(self.plan.hot_keys))
+        elif workload == "heartbeat":
+            if holders is None:
+                raise RuntimeError("the heartbeat workload needs holders")
+            args = [args[0], holders[0], str(holders[1]), str(connections)]
+        return self._wrk(server, target, workload, connections, seconds, args)
+
+    def _wrk(
+        self,
+        process: Process,
+        target: str,
+        script: str,
+        connections: int,
+        seconds: int,
+        args: list[str],
+        ops_counter: str | None = None,
+    ) -> Run:
+        run = run_wrk(
+            self.wrk,
+            process,
+            "/",
+            script,
+            target=target,
+            connections=connections,
+            seconds=seconds,
+            args=args,
+            ops_counter=ops_counter,
+        )
+        if target != "warm-up":
+            print("   " + _report.line(run))
+        return run
+
+    def _holders(self, server: Process) -> tuple[str, Path]:
+        """Acquire ``plan.holders`` leases for an hour; their keys and tokens, in a file."""
+        namespace = _mint(server)
+        path = self.workdir / f"holders-{_tag()}.txt"
+        started = time.monotonic()
+        tokens = asyncio.run(_acquire_many(server.url, namespace, self.plan.holders))
+        path.write_text("".join(f"{key} {token}\n" for key, token in tokens))
+        print(f"   {len(tokens):,} holders acquired in {time.monotonic() - started:.1f} s")
+        return namespace, path
+
+
+async def _acquire_many(url: str, namespace: str, count: int) -> list[tuple[str, str]]:
+    keys = iter(range(count))
+    tokens: list[tuple[str, str]] = []
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+
+        async def worker() -> None:
+            for i in keys:
+                key = f"holder-{i}"
+                body = {"namespace": namespace, "key": key, "ttl_seconds": 3600}
+                response = await client.post("/services/v1/lease", json=body)
+                response.raise_for_status()
+                tokens.append((key, response.json()["owner_token"]))
+
+        await asyncio.gather(*(worker() for _ in range(32)))
+    return tokens
+
+
+def _mint(server: Process) -> str:
+    response = httpx.post(server.url + "/services/v1/lease/namespace", json={}, timeout=10)
+    response.raise_for_status()
+    return str(response.json()["namespace"])
+
+
+def _tag() -> str:
+    return secrets.token_hex(4)
+
+
+def _timed(work: Any) -> float:
+    started = time.monotonic()
+    work()
+    return time.monotonic() - started
+
+
+def _fsync_ms(workdir: Path, count: int = 100) -> dict[str, float]:
+    """How long the disk under the databases takes to fsync 4 KiB (p50, p99): the floor
+    of an acknowledged write at 1 connection, since every commit waits for one."""
+    path = workdir / "fsync-probe"
+    times = []
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for _ in range(count):
+            os.write(fd, b"x" * 4096)
+            began = time.perf_counter()
+            os.fsync(fd)
+            times.append((time.perf_counter() - began) * 1000)
+    finally:
+        os.close(fd)
+        path.unlink()
+    times.sort()
+    return {"p50": round(times[count // 2], 3), "p99": round(times[count * 99 // 100], 3)}
+
+
+def _machine(workdir: Path) -> dict[str, Any]:
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.partition(":")[2].strip()
+                break
+    versions = {}
+    for package in ("leasekeeper", "starlette", "uvicorn", "uvloop", "httptools", "pydantic"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[package] = metadata.version(package)
+    commit = subprocess.run(
+        ["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    wrk_version = subprocess.run(["wrk", "-v"], capture_output=True, text=True).stdout
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "versions": versions,
+        "wrk": wrk_version.split("[")[0].strip() or "wrk",
+        "commit": commit,
+        "loadavg_before": os.getloadavg(),
+        "fsync_ms": _fsync_ms(workdir),
+    }

@@ -1,0 +1,135 @@
+"""Processes under test: start them on free loopback ports, read their CPU time and memory."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of every thread of ``pid`` so far (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    # After the command name: state is field 3, utime field 14, stime field 15.
+    return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def memory_mb(pid: int) -> tuple[float, float]:
+    """(resident set size now, its peak) in MiB, from ``/proc/<pid>/status``."""
+    values = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name in ("VmRSS", "VmHWM"):
+            values[name] = int(rest.split()[0]) / 1024
+    return values.get("VmRSS", 0.0), values.get("VmHWM", 0.0)
+
+
+@dataclass
+class Process:
+    """A process under test, its base URL and its log file."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def cpu_seconds(self) -> float:
+        return cpu_seconds(self.pid)
+
+    def memory_mb(self) -> tuple[float, float]:
+        return memory_mb(self.pid)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(20)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+
+
+def start(
+    name: str,
+    argv: Sequence[str],
+    url: str,
+    ready_path: str,
+    log: Path,
+    env: Mapping[str, str] | None = None,
+    *,
+    wait: float = 60.0,
+    ready_method: str = "GET",
+) -> Process:
+    """Start ``argv`` and wait until ``url + ready_path`` answers 200."""
+    with log.open("ab") as sink:
+        popen = subprocess.Popen(
+            list(argv), stdout=sink, stderr=sink, env={**os.environ, **(env or {})}
+        )
+    process = Process(name, popen, url, log)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if popen.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{name} exited with {popen.returncode}:\n{tail}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.request(ready_method, url + ready_path, timeout=2).status_code == 200:
+                return process
+        time.sleep(0.1)
+    process.stop()
+    raise RuntimeError(f"{name} did not become ready within {wait:.0f} s; see {log}")
+
+
+def start_leasekeeper(store: str, workdir: Path, env: Mapping[str, str] | None = None) -> Process:
+    """``leasekeeper serve`` on ``store``, as a user would run it (default settings)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "leasekeeper.cli", "serve", "--port", str(port)]
+    argv += ["--store", store]
+    url = f"http://127.0.0.1:{port}"
+    return start("leasekeeper", argv, url, "/readyz", workdir / "leasekeeper.log", env)
+
+
+def start_reference(workdir: Path) -> Process:
+    """The empty Starlette endpoint on the same uvicorn options (``bench._reference``)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "bench._reference", "--port", str(port)]
+    url = f"http://127.0.0.1:{port}"
+    return start("reference", argv, url, "/ref", workdir / "reference.log")
+
+
+def start_etcd(etcd: str, workdir: Path) -> Process:
+    """One etcd member on loopback with a temporary data directory (fsync on, the default)."""
+    client, peer = free_port(), free_port()
+    client_url, peer_url = f"http://127.0.0.1:{client}", f"http://127.0.0.1:{peer}"
+    argv = [
+        etcd,
+        "--name=bench",
+        f"--data-dir={workdir / 'etcd-data'}",
+        f"--listen-client-urls={client_url}",
+        f"--advertise-client-urls={client_url}",
+        f"--listen-peer-urls={peer_url}",
+        f"--initial-advertise-peer-urls={peer_url}",
+        f"--initial-cluster=bench={peer_url}",
+        "--log-level=error",
+    ]
+    return start("etcd", argv, client_url, "/health", workdir / "etcd.log")

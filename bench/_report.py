@@ -1,0 +1,200 @@
+"""The terminal table and the targets, computed from the results (the JSON file's content)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench._wrk import Run
+
+Runs = list[dict[str, Any]]
+
+_HEADER = (
+    f"{'target':<26}{'workload':<13}{'conns':>5}{'ops/s':>9}{'ratio':>7}{'p50 ms':>8}"
+    f"{'p99 ms':>8}{'CPU µs/op':>10}{'RSS MB':>8}  statuses"
+)
+
+
+def line(run: Run) -> str:
+    """One run as it finishes (no ratio yet)."""
+    return _row(run.as_dict(), None)
+
+
+def _row(run: dict[str, Any], ratio: float | None) -> str:
+    statuses = " ".join(f"{k}:{v}" for k, v in sorted(run["statuses"].items()))
+    if run["errors"]:
+        statuses += f"  ERRORS {run['errors']}"
+    ratio_text = "" if ratio is None else f"{ratio:.2f}"
+    return (
+        f"{run['target']:<26}{run['workload']:<13}{run['connections']:>5}"
+        f"{run['ops_per_s']:>9,.0f}{ratio_text:>7}{run['p50_ms']:>8.2f}{run['p99_ms']:>8.2f}"
+        f"{run['server_cpu_us_per_op']:>10.0f}{run['rss_mb']:>8.0f}  {statuses}"
+    )
+
+
+def _mean_rate(runs: Runs) -> float:
+    return sum(r["ops_per_s"] for r in runs) / len(runs) if runs else 0.0
+
+
+def references(results: dict[str, Any]) -> dict[tuple[str, int], float]:
+    """(target label, connections) -> the reference rate measured around that target's runs."""
+    found: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for section in results["sections"]:
+        for run in section["runs"]:
+            if run["workload"] == "reference":
+                label = run["target"].partition("@")[2]
+                found.setdefault((label, run["connections"]), []).append(run)
+    return {key: _mean_rate(runs) for key, runs in found.items()}
+
+
+def ratio(run: dict[str, Any], refs: dict[tuple[str, int], float]) -> float | None:
+    """The run's rate over the empty endpoint's rate measured near it."""
+    label = run["target"].partition("@")[2] or run["target"]
+    label = label.partition(":")[0]  # cleanup windows compare with the store's empty runs
+    reference = refs.get((label, run["connections"]))
+    return run["ops_per_s"] / reference if reference else None
+
+
+def _find(runs: Runs, target: str, workload: str, connections: int) -> dict[str, Any] | None:
+    for run in runs:
+        if (run["target"], run["workload"], run["connections"]) == (target, workload, connections):
+            return run
+    return None
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each with what was measured and whether it is met."""
+    refs = references(results)
+    runs = [run for section in results["sections"] for run in section["runs"]]
+    out: list[dict[str, Any]] = []
+
+    def add(name: str, measured: str, goal: str, met: bool) -> None:
+        out.append({"target": name, "measured": measured, "goal": goal, "met": met})
+
+    for store, floor, ceiling in (("sqlite", 0.50, 25.0), ("postgresql", 0.25, 50.0)):
+        run = _find(runs, store, "acquire", 64)
+        if run is None:
+            continue
+        r = ratio(run, refs) or 0.0
+        add(
+            f"{store} acquire, 64 connections",
+            f"ratio {r:.2f}, p99 {run['p99_ms']:.1f} ms",
+            f"ratio >= {floor:.2f}, p99 <= {ceiling:.0f} ms",
+            r >= floor and run["p99_ms"] <= ceiling and not run["errors"],
+        )
+    one = _find(runs, "sqlite", "acquire", 1)
+    if one is not None:
+        fsync = results["machine"]["fsync_ms"]["p50"]
+        add(
+            "sqlite acquire, 1 connection",
+            f"p50 {one['p50_ms']:.2f} ms (this disk's fsync p50: {fsync:.2f} ms)",
+            "p50 <= 1 ms",
+            one["p50_ms"] <= 1.0,
+        )
+    for growth in {r["target"] for r in runs if "+" in r["target"] and "@" not in r["target"]}:
+        store = growth.partition("+")[0]
+        for run in runs:
+            if run["target"] != growth:
+                continue
+            empty = _find(runs, store, run["workload"], run["connections"])
+            if empty is None:
+                continue
+            g = _growth(run, empty, refs)
+            add(
+                f"{growth} records, {run['workload']}",
+                f"{g:.2f} of the empty store (reference-normalised)",
+                ">= 0.80",
+                g >= 0.80,
+            )
+    for store in ("sqlite", "postgresql"):
+        windows = [r for r in runs if r["target"] == f"{store}:cleanup"]
+        normal = _find(runs, store, "acquire", 64)
+        if windows and normal:
+            worst = max(r["p99_ms"] for r in windows)
+            add(
+                f"{store} p99 during cleanup",
+                f"{worst:.1f} ms worst window vs {normal['p99_ms']:.1f} ms normal "
+                f"({worst / normal['p99_ms']:.2f}x)",
+                "<= 2x",
+                worst <= 2 * normal["p99_ms"],
+            )
+    etcd = _find(runs, "etcd", "etcd_acquire", 64)
+    if etcd is not None:
+        for store in ("sqlite", "postgresql"):
+            ours = _find(runs, store, "acquire", 64)
+            if ours is not None:
+                add(
+                    f"{store} acquire vs etcd, 64 connections",
+                    f"{ours['ops_per_s']:,.0f}/s vs {etcd['ops_per_s']:,.0f}/s "
+                    f"({ours['ops_per_s'] / max(etcd['ops_per_s'], 1e-9):.2f}x)",
+                    "ahead of etcd",
+                    ours["ops_per_s"] > etcd["ops_per_s"],
+                )
+    return out
+
+
+def _growth(
+    run: dict[str, Any], empty: dict[str, Any], refs: dict[tuple[str, int], float]
+) -> float:
+    grown, base = ratio(run, refs), ratio(empty, refs)
+    if grown is None or not base:
+        return run["ops_per_s"] / empty["ops_per_s"] if empty["ops_per_s"] else 0.0
+    return grown / base
+
+
+def render(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    refs = references(results)
+    lines = [
+        f"machine: {m['nproc']} CPUs, {m['cpu']}, Linux {m['kernel']}, Python {m['python']}, "
+        f"commit {m['commit']}",
+        f"fsync of 4 KiB: p50 {m['fsync_ms']['p50']:.2f}, p99 {m['fsync_ms']['p99']:.2f} ms; "
+        f"load average before {_load(m['loadavg_before'])}, after "
+        f"{_load(m.get('loadavg_after', ()))} (other work on the machine shows here)",
+        "ratio = ops/s over the empty Starlette endpoint measured around the same runs; "
+        "CPU = server process CPU time per operation",
+        "",
+        _HEADER,
+    ]
+    for section in results["sections"]:
+        for run in section["runs"]:
+            lines.append(_row(run, ratio(run, refs)))
+        lines += [f"  note: {note}" for note in section["notes"]]
+    runs = [run for section in results["sections"] for run in section["runs"]]
+    etcd = [r for r in runs if r["target"] == "etcd"]
+    if etcd:
+        lines.append("")
+        lines.append(
+            "etcd: ops = acquires (grant + txn, two requests each); latency is per request"
+        )
+        for run in etcd:
+            lines.append(
+                f"  {run['connections']:>2} conns: {run['ops_per_s']:,.0f} acquires/s "
+                f"({run['requests_per_s']:,.0f} requests/s), p50 {run['p50_ms']:.2f} ms, "
+                f"p99 {run['p99_ms']:.2f} ms per request, server CPU "
+                f"{run['server_cpu_us_per_op']:.0f} µs/acquire "
+                f"({run['server_cpu_cores']:.2f} cores), RSS {run['rss_mb']:.0f} MB"
+            )
+    cleanup = [r for r in runs if r["target"].endswith(":cleanup")]
+    if cleanup:
+        lines.append("")
+        lines.append(
+            "cleanup windows (acquire, 64 conns): seconds since start, expired records left, "
+            "ops/s, p99"
+        )
+        for run in cleanup:
+            extra = run["extra"]
+            lines.append(
+                f"  {run['target']:<20} {extra.get('elapsed_s', 0):>6.1f} s "
+                f"{extra.get('expired_left', 0):>12,} {run['ops_per_s']:>9,.0f}/s "
+                f"p99 {run['p99_ms']:.2f} ms  RSS {run['rss_mb']:.0f} MB"
+            )
+    lines.append("")
+    lines.append("targets:")
+    for t in results.get("targets", []):
+        mark = "met    " if t["met"] else "NOT MET"
+        lines.append(f"  {mark} {t['target']}: {t['measured']} (goal {t['goal']})")
+    return "\n".join(lines)
+
+
+def _load(values: Any) -> str:
+    return " ".join(f"{v:.2f}" for v in values) if values else "?"
