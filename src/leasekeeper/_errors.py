@@ -83,6 +83,21 @@ class LeaseError(Exception):
         return None
 
 
+class _RetryLater(LeaseError):
+    """An error that says how long to wait: ``retry_after_seconds`` in the body and header."""
+
+    def __init__(self, error: str | None = None, *, retry_after_seconds: int = 1) -> None:
+        super().__init__(error)
+        self.retry_after_seconds = retry_after_seconds
+
+    @property
+    def retry_after(self) -> int:
+        return self.retry_after_seconds
+
+    def body(self) -> dict[str, Any]:
+        return {**super().body(), "retry_after_seconds": self.retry_after_seconds}
+
+
 class RequestError(LeaseError):
     """The request itself is at fault; sending it again unchanged will fail again."""
 
@@ -126,22 +141,11 @@ class RequestTimeout(RequestError):
     default_message = "The request was not received in time"
 
 
-class RateLimited(RequestError):
+class RateLimited(RequestError, _RetryLater):
     """Too many requests from this address or for this namespace; wait and retry."""
 
     status = "rate_limited"
     default_message = "Too many requests"
-
-    def __init__(self, error: str | None = None, *, retry_after_seconds: int = 1) -> None:
-        super().__init__(error)
-        self.retry_after_seconds = retry_after_seconds
-
-    @property
-    def retry_after(self) -> int:
-        return self.retry_after_seconds
-
-    def body(self) -> dict[str, Any]:
-        return {**super().body(), "retry_after_seconds": self.retry_after_seconds}
 
 
 class LeaseConflict(LeaseError):
@@ -222,22 +226,11 @@ class ServerError(LeaseError):
     """The service is at fault; the same request may succeed later."""
 
 
-class ServiceUnavailable(ServerError):
+class ServiceUnavailable(ServerError, _RetryLater):
     """The store cannot be reached or is overloaded; retry after ``retry_after_seconds``."""
 
     status = "unavailable"
     default_message = "The lease store is unavailable; retry shortly"
-
-    def __init__(self, error: str | None = None, *, retry_after_seconds: int = 1) -> None:
-        super().__init__(error)
-        self.retry_after_seconds = retry_after_seconds
-
-    @property
-    def retry_after(self) -> int:
-        return self.retry_after_seconds
-
-    def body(self) -> dict[str, Any]:
-        return {**super().body(), "retry_after_seconds": self.retry_after_seconds}
 
 
 class InternalError(ServerError):
