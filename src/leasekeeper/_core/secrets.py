@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import hmac
 import re
@@ -93,24 +94,41 @@ def _hmac(key: bytes, message: bytes) -> bytes:
     return hmac.digest(key, message, "sha256")
 
 
+@functools.lru_cache(maxsize=1024)
+def _namespace_macs(namespace_secret: bytes) -> tuple[hmac.HMAC, hmac.HMAC]:
+    """HMAC states keyed by the namespace's two derived keys (key ids, fingerprints).
+
+    Deriving a key is itself an HMAC, and with OpenSSL 3 each one-shot HMAC costs
+    about as much as validating the request: workers use few namespaces, so each
+    one's keyed states are kept (for the 1,024 most recent) and copied per use.
+    """
+    key_mac = hmac.new(_hmac(namespace_secret, _NS_KEY_LABEL), digestmod="sha256")
+    fingerprint_mac = hmac.new(_hmac(namespace_secret, _NS_FP_LABEL), digestmod="sha256")
+    return key_mac, fingerprint_mac
+
+
+def _keyed(mac: hmac.HMAC, message: bytes) -> bytes:
+    mac = mac.copy()
+    mac.update(message)
+    return mac.digest()
+
+
 def key_id(namespace_secret: bytes | None, key: str) -> bytes:
     """The stored id of ``key`` in the namespace (or of a bare key when None)."""
     raw = key.encode("utf-8")
     if namespace_secret is None:
         return hashlib.sha256(_BARE_KEY_TAG + raw).digest()
-    derived = _hmac(namespace_secret, _NS_KEY_LABEL)
-    return _hmac(derived, _KEY_TAG + raw)
+    return _keyed(_namespace_macs(namespace_secret)[0], _KEY_TAG + raw)
 
 
 def fingerprint_digest(
     namespace_secret: bytes | None, key: str, key_digest: bytes, fingerprint: str
 ) -> bytes:
     """The stored digest of ``fingerprint``, keyed by a secret and bound to the key id."""
+    message = _FP_TAG + key_digest + fingerprint.encode("utf-8")
     if namespace_secret is None:
-        secret = key.encode("utf-8")
-    else:
-        secret = _hmac(namespace_secret, _NS_FP_LABEL)
-    return _hmac(secret, _FP_TAG + key_digest + fingerprint.encode("utf-8"))
+        return _hmac(key.encode("utf-8"), message)
+    return _keyed(_namespace_macs(namespace_secret)[1], message)
 
 
 def owner_digest(token: str) -> bytes:
