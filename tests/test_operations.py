@@ -167,3 +167,19 @@ def test_a_store_that_cannot_count_shows_no_gauge(make_api: ApiFactory) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert api.acquire(namespace=api.namespace(), key=KEY).status_code == 201
+
+
+def test_serve_takes_startup_objects_out_of_the_garbage_collectors_scans() -> None:
+    """``serve`` freezes what is loaded before it listens and collects the young less often."""
+    import gc
+
+    from leasekeeper import cli
+
+    threshold = gc.get_threshold()
+    try:
+        cli._tune_gc()
+        assert gc.get_freeze_count() > 1000
+        assert gc.get_threshold() == (10_000, threshold[1], threshold[2])
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*threshold)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -84,7 +85,24 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
         settings.port,
         settings.store.partition(":")[0],
     )
+    _tune_gc()
     uvicorn.run(app, host=settings.host, port=settings.port, **uvicorn_options(settings, protocol))
+
+
+def _tune_gc() -> None:
+    """Keep the cyclic garbage collector off the request path's tail latency.
+
+    Everything loaded by now (modules, schemas, the app) lives as long as the
+    process: ``gc.freeze`` takes it out of every later collection, which would
+    otherwise scan it in full each time the oldest generation is collected (tens
+    of milliseconds, the whole of the p99 under load). Requests allocate many
+    short-lived containers; a larger first-generation threshold collects them
+    less often. Reference counting still frees almost everything at once.
+    """
+    gc.collect()
+    gc.freeze()
+    _, second, third = gc.get_threshold()
+    gc.set_threshold(10_000, second, third)
 
 
 def uvicorn_options(
