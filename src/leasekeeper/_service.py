@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets as _random
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from leasekeeper._core.model import (
 )
 from leasekeeper._core.validation import encode_result
 from leasekeeper._errors import FingerprintConflict, InternalError, LeaseHeld, LeaseLost
+from leasekeeper._randomness import BlockRandom
 from leasekeeper._schemas import (
     DEFAULT_TTL_SECONDS,
     AcquireBody,
@@ -89,8 +89,9 @@ class ServiceObserver(Protocol):
 class LeaseService:
     """Leases over one store.
 
-    ``random_bytes`` supplies the randomness for namespaces and owner tokens
-    (tests may inject a deterministic source); ``lifecycle_seconds`` is the length
+    ``random_bytes`` supplies the randomness for namespaces and owner tokens (by
+    default the OS's CSPRNG, read in blocks: ``leasekeeper._randomness``; tests may
+    inject a deterministic source); ``lifecycle_seconds`` is the length
     of a key's lifecycle (``LEASEKEEPER_LIFECYCLE_SECONDS``).
     """
 
@@ -100,12 +101,12 @@ class LeaseService:
         *,
         lifecycle_seconds: int = 86_400,
         cleanup_batch: int = 1000,
-        random_bytes: Callable[[int], bytes] = _random.token_bytes,
+        random_bytes: Callable[[int], bytes] | None = None,
     ) -> None:
         self.store = store
         self._lifecycle_ms = lifecycle_seconds * 1000
         self._cleanup_batch = cleanup_batch
-        self._random = random_bytes
+        self._random = random_bytes or BlockRandom()
         self._observers: list[ServiceObserver] = []
 
     def add_observer(self, observer: ServiceObserver) -> None:

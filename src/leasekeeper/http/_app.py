@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import os
+import random
 import time
 from collections.abc import AsyncIterator, Callable, Hashable
 from dataclasses import dataclass
@@ -387,7 +387,7 @@ class LeaseApp:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = os.urandom(8).hex()
+        request_id = f"{random.getrandbits(64):016x}"  # unique enough; not a secret
         reset = REQUEST_ID.set(request_id)
         header_id = request_id.encode("ascii")
 
