@@ -1,0 +1,99 @@
+"""The SQLite writer decides a batch of queued commands together: as if one by one.
+
+Commands submitted together (``asyncio.gather``) reach the writer thread in
+submission order and, usually, in one batch: one read of their records, the rules
+run for each in turn, one write of every changed record, one commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from pathlib import Path
+
+from leasekeeper import FakeClock
+from leasekeeper._core.model import (
+    Acquire,
+    Complete,
+    CompletedOutcome,
+    Granted,
+    Held,
+    Release,
+    Released,
+    Renew,
+    Renewed,
+)
+from leasekeeper.store._sqlite import SqliteStore
+
+TTL = 60_000
+LIFECYCLE = 86_400_000
+
+
+def new_id() -> bytes:
+    return secrets.token_bytes(32)
+
+
+def test_commands_on_one_key_in_one_batch_see_each_other(tmp_path: Path) -> None:
+    """acquire, renew, complete, then a replay: each decided on the record the previous left."""
+    clock = FakeClock()
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "b.db", clock)
+        await store.open()
+        key, owner, fingerprint = new_id(), new_id(), new_id()
+        decisions = await asyncio.gather(
+            store.apply(Acquire(key, fingerprint, TTL, owner, LIFECYCLE)),
+            store.apply(Renew(key, owner, 2 * TTL)),
+            store.apply(Complete(key, owner, '{"n":1}')),
+            store.apply(Acquire(key, fingerprint, TTL, new_id(), LIFECYCLE)),
+            store.ping(),
+        )
+        granted, renewed, completed, replay = (d.outcome for d in decisions[:4])
+        assert isinstance(granted, Granted)
+        assert isinstance(renewed, Renewed)
+        assert renewed.record.lease_expires_ms == granted.now_ms + 2 * TTL
+        assert isinstance(completed, CompletedOutcome)
+        assert isinstance(replay, CompletedOutcome)
+        assert replay.record.result == '{"n":1}'
+        assert replay.record.fencing_token == granted.record.fencing_token
+        await store.close()
+
+        reopened = SqliteStore(tmp_path / "b.db", clock)  # what was committed
+        await reopened.open()
+        again = await reopened.apply(Acquire(key, fingerprint, TTL, new_id(), LIFECYCLE))
+        assert isinstance(again.outcome, CompletedOutcome)
+        assert again.outcome.record == completed.record
+        await reopened.close()
+
+    asyncio.run(main())
+
+
+def test_a_batch_reads_records_written_by_earlier_batches(tmp_path: Path) -> None:
+    """Keys held from before, with and without a command of another key in between."""
+    clock = FakeClock()
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "r.db", clock)
+        await store.open()
+        keys, owners = [new_id() for _ in range(3)], [new_id() for _ in range(3)]
+        for key, owner in zip(keys, owners, strict=True):
+            decision = await store.apply(Acquire(key, None, TTL, owner, LIFECYCLE))
+            assert isinstance(decision.outcome, Granted)
+        decisions = await asyncio.gather(
+            store.apply(Release(keys[0], owners[0])),
+            store.apply(Acquire(keys[1], None, TTL, new_id(), LIFECYCLE)),
+            store.purge(100),
+            store.apply(Renew(keys[2], owners[2], TTL)),
+            store.apply(Acquire(keys[0], None, TTL, new_id(), LIFECYCLE)),
+        )
+        assert isinstance(decisions[0].outcome, Released)
+        assert isinstance(decisions[1].outcome, Held)
+        assert decisions[2] == 0
+        assert isinstance(decisions[3].outcome, Renewed)
+        regranted = decisions[4].outcome
+        assert isinstance(regranted, Granted)
+        assert regranted.record.fencing_token == 4  # three grants before it, one counter
+        assert store.fencing_counter() == 4
+        await store.close()
+
+    asyncio.run(main())
