@@ -1,29 +1,35 @@
 """The PostgreSQL store: several service instances, one truth.
 
 Every instance shares the tables, the fencing sequence and the database server's
-clock, so instance clocks do not matter. One ``apply`` is one READ COMMITTED
-transaction on a pooled connection, sent in pipeline mode::
+clock, so instance clocks do not matter. Concurrent ``apply`` calls are decided in
+batches: each batch is one READ COMMITTED transaction on a pooled connection, sent
+in pipeline mode (see ``_decide_batch``)::
 
-    round trip 1:  BEGIN; SELECT … FOR UPDATE (the key's row); SELECT clock_timestamp()
-                   ── decide_with_fence, in Python ──
-    round trip 2:  SELECT nextval(fence)               (only when a new owner is granted)
-    round trip 3:  UPDATE or INSERT the decided row; COMMIT    (synchronous_commit=on)
+    round trip 1:  BEGIN; SELECT … FOR UPDATE (the batch's rows, in key order);
+                   SELECT clock_timestamp()
+                   ── decide_with_fence for each command in turn, in Python ──
+    round trip 2:  SELECT nextval(fence), once per new owner   (only when granting)
+    round trip 3:  UPDATE the changed rows; INSERT the new ones; COMMIT
+                   (synchronous_commit=on)
 
-so a decision costs two round trips, three when it grants. The clock is read in
-its own statement *after* the row lock is held: a decision never runs at a time
-from before it waited for the previous decision on the same key.
+so a lone request costs two or three round trips, and under load one transaction
+and one commit serve many requests. The clock is read in its own statement *after* the row
+locks are held: a decision never runs at a time from before it waited for the
+previous decision on the same key.
 
-Two instances deciding on one key serialize on the row lock. A key without a row
-has nothing to lock, so its first write is ``INSERT … ON CONFLICT DO NOTHING``:
-when another transaction created the row first, nothing is written and the whole
-decision runs again against that row. Nothing else is ever written without the
-row lock, so there is no read-then-write race between instances.
+Two instances deciding on one key serialize on the row lock; locks are taken in key
+order, so batches sharing keys queue rather than deadlock. A key without a row has
+nothing to lock, so its first write is ``INSERT … ON CONFLICT DO NOTHING``: when
+another transaction created the row first, nothing of that key is written and its
+commands are decided again against that row. Nothing else is ever written without
+the row lock, so there is no read-then-write race between instances.
 
 Failures: serialization failures and deadlocks are retried inside the store, as
 is a connection found dead before the COMMIT was sent (the server rolls such a
 transaction back). When a connection dies with its COMMIT in flight, the store
-reads the key's row on another connection (waiting for its lock) to learn whether
-the decision took effect: if so it is returned, if not it is decided again.
+reads the batch's written rows on another connection (waiting for their locks) to
+learn whether the decisions took effect: those that did are returned, the others
+are decided again.
 Everything else that goes wrong with the database (refused, dropped, blocked, too
 slow) is translated in ``_run``, the one place psycopg errors become
 ``ServiceUnavailable``, within ``timeout_seconds``; the pool replaces dead
@@ -35,12 +41,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import itertools
 import logging
 import math
 import random
 import re
+from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Generic, TypeVar
 
 import psycopg
@@ -51,8 +60,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from leasekeeper._core.clock import Clock
 from leasekeeper._core.model import Command, Decision, LeaseRecord
-from leasekeeper._core.rules import decide
-from leasekeeper._errors import ServiceUnavailable
+from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
 from leasekeeper.store._base import decide_with_fence
 
 __all__ = ["SCHEMA_VERSION", "PostgresStore"]
@@ -121,20 +129,34 @@ _MIGRATION_LOCK: Final = (
 _READ_CLOCK: Final = "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 
 _BEGIN: Final = "BEGIN ISOLATION LEVEL READ COMMITTED"
-_LOCK_ROW: Final = (
-    "SELECT fingerprint, absolute_expires_ms, fencing_token, owner, lease_expires_ms, "
-    "completed_ms, result, updated_ms FROM leasekeeper_leases WHERE key_id = %s FOR UPDATE"
+# A batch's rows, locked in key order: two batches (of any instances) that share keys
+# take their locks in the same order, so they queue instead of deadlocking.
+_LOCK_ROWS: Final = (
+    "SELECT key_id, fingerprint, absolute_expires_ms, fencing_token, owner, "
+    "lease_expires_ms, completed_ms, result, updated_ms FROM leasekeeper_leases "
+    "WHERE key_id = ANY(%s) ORDER BY key_id FOR UPDATE"
 )
-_NEXT_FENCE: Final = "SELECT nextval('leasekeeper_fence')"
-_UPDATE: Final = (
-    "UPDATE leasekeeper_leases SET fingerprint = %s, absolute_expires_ms = %s, "
-    "fencing_token = %s, owner = %s, lease_expires_ms = %s, completed_ms = %s, "
-    "result = %s, updated_ms = %s WHERE key_id = %s"
+_NEXT_FENCES: Final = "SELECT nextval('leasekeeper_fence') FROM generate_series(1, %s)"
+# Both take the nine columns as arrays (``_columns``).
+_UPDATE_MANY: Final = (
+    "UPDATE leasekeeper_leases AS l SET fingerprint = v.fingerprint, "
+    "absolute_expires_ms = v.absolute_expires_ms, fencing_token = v.fencing_token, "
+    "owner = v.owner, lease_expires_ms = v.lease_expires_ms, "
+    "completed_ms = v.completed_ms, result = v.result, updated_ms = v.updated_ms "
+    "FROM unnest(%s::bytea[], %s::bytea[], %s::bigint[], %s::bigint[], %s::bytea[], "
+    "%s::bigint[], %s::bigint[], %s::text[], %s::bigint[]) AS v (key_id, fingerprint, "
+    "absolute_expires_ms, fencing_token, owner, lease_expires_ms, completed_ms, result, "
+    "updated_ms) "
+    "WHERE l.key_id = v.key_id"
 )
-_INSERT: Final = (
-    "INSERT INTO leasekeeper_leases (fingerprint, absolute_expires_ms, fencing_token, owner, "
-    "lease_expires_ms, completed_ms, result, updated_ms, key_id) "
-    "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) ON CONFLICT (key_id) DO NOTHING"
+_INSERT_MANY: Final = (
+    "INSERT INTO leasekeeper_leases (key_id, fingerprint, absolute_expires_ms, "
+    "fencing_token, owner, lease_expires_ms, completed_ms, result, updated_ms) "
+    "SELECT * FROM unnest(%s::bytea[], %s::bytea[], %s::bigint[], %s::bigint[], %s::bytea[], "
+    "%s::bigint[], %s::bigint[], %s::text[], %s::bigint[]) AS v (key_id, fingerprint, "
+    "absolute_expires_ms, fencing_token, owner, lease_expires_ms, completed_ms, result, "
+    "updated_ms) "
+    "ORDER BY key_id ON CONFLICT (key_id) DO NOTHING RETURNING key_id"
 )
 # SKIP LOCKED: a row locked by a decision in progress is left for the next batch
 # (that decision may be starting a new lifecycle on it).
@@ -161,14 +183,29 @@ class _Attempt(Generic[T]):
 
     #: The COMMIT has been sent: a failure from here on leaves the outcome unknown.
     committing: bool = False
-    #: What the attempt returns once its COMMIT is known to have taken effect.
-    result: T | None = None
-    #: The record the attempt writes, to look for after a cut-off COMMIT (None: no write).
-    written: LeaseRecord | None = None
+    #: The records the attempt writes, to look for after a cut-off COMMIT.
+    written: list[LeaseRecord] = field(default_factory=list)
+    #: After a cut-off COMMIT: what the attempt returns, given the key ids whose
+    #: written record is found in the table.
+    resolve: Callable[[set[bytes]], T] | None = None
 
 
-class _Retry(Exception):
-    """Run the decision again: another transaction created the key's row first."""
+@dataclass(slots=True)
+class _Pending:
+    """One ``apply`` waiting for a batch: its command and its caller's future."""
+
+    command: Command
+    future: asyncio.Future[Decision]
+    #: Batches that had to give this command back (its key's row appeared meanwhile).
+    returned: int = 0
+
+
+@dataclass(slots=True)
+class _Batch:
+    """A committed batch: each command's decision (or error), and the commands to run again."""
+
+    results: list[tuple[_Pending, Decision | BaseException]]
+    again: list[_Pending]
 
 
 class PostgresStore:
@@ -192,6 +229,8 @@ class PostgresStore:
         application_name: str | None = None,
         min_size: int = 1,
         max_size: int = 10,
+        max_batch: int = 256,
+        max_batches: int = 4,
     ) -> None:
         if timeout_seconds <= 0:
             raise ValueError("timeout_seconds must be positive")
@@ -207,6 +246,10 @@ class PostgresStore:
         self._open_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._checking: asyncio.Task[None] | None = None
+        self._max_batch = max_batch
+        self._max_batches = max(1, min(max_batches, max_size))
+        self._waiting: deque[_Pending] = deque()
+        self._batches = 0  # batch runners active
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -259,10 +302,27 @@ class PostgresStore:
     # -- the interface ---------------------------------------------------------------------
 
     async def apply(self, command: Command) -> Decision:
-        async def run(conn: Connection, attempt: _Attempt[Decision]) -> Decision:
-            return await self._decide(conn, command, attempt)
+        """Queue ``command`` for the next batch; see ``_decide_batch``.
 
-        return await self._run("apply", run)
+        Up to ``max_batches`` batches run at once, each on its own connection and
+        each taking every queued command (at most ``max_batch``): under load one
+        transaction, two round trips and one commit serve many requests.
+        """
+        if self._pool is None:
+            raise ServiceUnavailable("The lease store is not open")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Decision] = loop.create_future()
+        self._waiting.append(_Pending(command, future))
+        if self._batches < self._max_batches:
+            self._batches += 1
+            task = loop.create_task(self._run_batches())
+            self._tasks.add(task)
+            task.add_done_callback(self._settled)
+        timer = loop.call_later(self._timeout, _expire, future)
+        try:
+            return await future
+        finally:
+            timer.cancel()
 
     async def purge(self, limit: int) -> int:
         async def run(conn: Connection, attempt: _Attempt[int]) -> int:
@@ -282,55 +342,103 @@ class PostgresStore:
 
         await self._run("ping", run)
 
-    # -- one decision ----------------------------------------------------------------------
+    # -- batches of decisions --------------------------------------------------------------
 
-    async def _decide(
-        self, conn: Connection, command: Command, attempt: _Attempt[Decision]
-    ) -> Decision:
-        written: psycopg.AsyncCursor[TupleRow] | None = None
+    async def _run_batches(self) -> None:
+        """Take queued commands in batches and decide them, until the queue is empty."""
+        waiting = self._waiting
+        try:
+            while waiting:
+                batch: list[_Pending] = []
+                while waiting and len(batch) < self._max_batch:
+                    pending = waiting.popleft()
+                    if not pending.future.done():  # else its caller gave up
+                        batch.append(pending)
+                if batch:
+                    await self._decide_and_answer(batch)
+        finally:
+            self._batches -= 1
+
+    async def _decide_and_answer(self, batch: list[_Pending]) -> None:
+        async def work(conn: Connection, attempt: _Attempt[_Batch]) -> _Batch:
+            return await self._decide_batch(conn, batch, attempt)
+
+        try:
+            done = await self._run("apply", work)
+        except BaseException as exc:
+            error = exc if isinstance(exc, ServiceUnavailable) else None
+            if error is None and not isinstance(exc, asyncio.CancelledError):
+                log.error("PostgreSQL store: a batch failed", exc_info=exc)
+            for pending in batch:
+                _settle(pending.future, error or ServiceUnavailable("The lease store is closing"))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        for pending, outcome in done.results:
+            _settle(pending.future, outcome)
+        for pending in reversed(done.again):
+            pending.returned += 1
+            if pending.returned >= _MAX_ATTEMPTS:
+                _settle(pending.future, ServiceUnavailable("The lease store is too busy"))
+            else:
+                self._waiting.appendleft(pending)
+
+    async def _decide_batch(
+        self, conn: Connection, batch: list[_Pending], attempt: _Attempt[_Batch]
+    ) -> _Batch:
+        """Decide ``batch`` in one transaction of two round trips, three when it grants::
+
+            1:  BEGIN; SELECT … FOR UPDATE (the batch's rows, in key order);
+                SELECT clock_timestamp()
+                    ── decide_with_fence for each command in turn, in Python ──
+           (2:  SELECT nextval(fence), once per new owner; decide again with them)
+            3:  UPDATE the changed rows; INSERT the new ones … ON CONFLICT DO NOTHING;
+                COMMIT                                    (synchronous_commit=on)
+
+        Each command is decided on the records as the commands before it left them,
+        exactly as if they had run one at a time. The clock is read after the row locks
+        are held, and so are the fences, one per new owner, so the counter moves by
+        grants only, as on every other store. A key without a row has nothing to lock: when
+        another transaction creates its row first, nothing of that key is written, and
+        its commands go back to the queue to be decided against that row.
+        """
+        keys = sorted({pending.command.key_id for pending in batch})
         clock = self._clock
         async with conn.pipeline():
             await conn.execute(_BEGIN)
-            locked = await conn.execute(_LOCK_ROW, (command.key_id,))
-            if clock is None:
-                timed = await conn.execute(_READ_CLOCK)
-                row = await locked.fetchone()  # sends the three statements: round trip 1
+            locked = await conn.execute(_LOCK_ROWS, (keys,))
+            timed = await conn.execute(_READ_CLOCK) if clock is None else None
+            rows = await locked.fetchall()  # sends the statements: round trip 1
+            if timed is not None:
                 now_ms = _first_int(await timed.fetchone())
             else:
-                row = await locked.fetchone()
+                assert clock is not None
                 now_ms = clock.now_ms()
-            record = None if row is None else LeaseRecord(command.key_id, *row)
-            # decide_with_fence takes a synchronous next_fence, and nextval() is a
-            # round trip. The rules are pure and cheap, so ask them first whether
-            # this decision grants a new owner, and draw a fence only then: no value
-            # is drawn for a decision that does not need one.
-            fence = 0
-            if decide(record, command, now_ms).new_owner:
-                drawn = await conn.execute(_NEXT_FENCE)
-                fence = _first_int(await drawn.fetchone())  # round trip 2, grants only
-            decision = decide_with_fence(record, command, now_ms, lambda: fence)
-            w = decision.write
-            if w is not None:
-                values = (
-                    w.fingerprint,
-                    w.absolute_expires_ms,
-                    w.fencing_token,
-                    w.owner,
-                    w.lease_expires_ms,
-                    w.completed_ms,
-                    w.result,
-                    w.updated_ms,
-                    w.key_id,
-                )
-                written = await conn.execute(_INSERT if record is None else _UPDATE, values)
+            found = {bytes(row[0]): LeaseRecord(bytes(row[0]), *row[1:]) for row in rows}
+            # The rules say which commands grant a new owner; fences are drawn for
+            # exactly those, and the batch is decided again with them (the rules are
+            # pure: the same records and time give the same decisions).
+            placeholders = itertools.count(1)
+            results, writes = _decide_in_turn(batch, found, now_ms, placeholders.__next__)
+            grants = next(placeholders) - 1
+            if grants:
+                drawn = await conn.execute(_NEXT_FENCES, (grants,))
+                fences = sorted(int(row[0]) for row in await drawn.fetchall())  # round trip 2
+                results, writes = _decide_in_turn(batch, found, now_ms, iter(fences).__next__)
+            existing = set(found)
+            updates = [w for key, w in writes.items() if key in existing]
+            inserts = [w for key, w in writes.items() if key not in existing]
+            if updates:
+                await conn.execute(_UPDATE_MANY, _columns(updates))
+            inserted = await conn.execute(_INSERT_MANY, _columns(inserts)) if inserts else None
             await conn.execute("COMMIT")
-            attempt.committing, attempt.result, attempt.written = True, decision, w
-        # Leaving the pipeline sent the write and COMMIT and waited for both.
-        if record is None and written is not None and written.rowcount != 1:
-            # Another transaction created the row after our SELECT found none; our
-            # transaction wrote nothing (a drawn fence is merely skipped).
-            raise _Retry
-        return decision
+            attempt.committing, attempt.written = True, list(writes.values())
+            attempt.resolve = functools.partial(_split, results, set(writes))
+        # Leaving the pipeline sent the writes and COMMIT and waited for them.
+        if inserted is not None and inserted.rowcount != len(inserts):
+            created = {bytes(row[0]) for row in await inserted.fetchall()}
+            return _split(results, set(writes), set(existing) | created)
+        return _Batch(results, [])
 
     # -- the one choke point ---------------------------------------------------------------
 
@@ -380,9 +488,6 @@ class PostgresStore:
                     except BaseException:
                         await _end_transaction(conn)
                         raise
-            except _Retry:
-                if last:
-                    raise ServiceUnavailable("The lease store is too busy; retry shortly") from None
             except _TRANSIENT as exc:
                 if last:
                     raise
@@ -393,11 +498,11 @@ class PostgresStore:
                 broken = conn is not None and conn.broken
                 if broken:
                     self._check_pool(pool)
-                if attempt.committing and attempt.result is not None:
+                if attempt.committing and attempt.resolve is not None:
                     # The COMMIT was sent and its answer lost: look for its effect.
-                    if await self._committed(pool, attempt.written, deadline):
-                        return attempt.result
-                elif broken and not attempt.committing:
+                    landed = await self._landed(pool, attempt.written, deadline)
+                    return attempt.resolve(landed)
+                if broken and not attempt.committing:
                     # Dead before COMMIT was sent: the server rolls that transaction
                     # back, so running it again on another connection is safe.
                     log.info("PostgreSQL store: a pooled connection was dead; trying another")
@@ -407,40 +512,52 @@ class PostgresStore:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _committed(
-        self, pool: AsyncConnectionPool[Connection], written: LeaseRecord | None, deadline: float
-    ) -> bool:
-        """Whether a decision whose COMMIT was cut off took effect.
+    async def _landed(
+        self, pool: AsyncConnectionPool[Connection], written: list[LeaseRecord], deadline: float
+    ) -> set[bytes]:
+        """The key ids whose record, written by a batch whose COMMIT was cut off, is found.
 
-        A decision that writes nothing holds either way. Otherwise the key's row is
-        read with ``FOR UPDATE``, which waits for a transaction still holding it to
-        finish: the row equals the written record (its owner digest and decision time
-        make it unique) when the COMMIT took effect and nothing changed the row since.
-        Otherwise the decision is made again, against whatever the row holds now; that
-        is safe, and at worst conservative (a release that did happen, followed at
-        once by a new owner, is reported lost). A first write to a new key is the one
+        The rows are read with ``FOR UPDATE``, which waits for a transaction still
+        holding them to finish: a row equals the written record (its owner digest and
+        decision time make it unique) when the COMMIT took effect and nothing changed
+        the row since. Commands on the other keys are decided again, against whatever
+        their row holds now; that is safe, and at worst conservative (a release that
+        did happen, followed at once by a new owner, is reported lost). Commands whose
+        key was not written hold either way. A first write to a new key is the one
         case where the lock cannot be waited for; the new decision then meets that
         row through ``INSERT … ON CONFLICT`` and decides against it, so nothing is
         granted twice.
         """
-        if written is None:
-            return True
+        if not written:
+            return set()
+        wanted = {w.key_id: w for w in written}
         loop = asyncio.get_running_loop()
         for number in range(1, _MAX_ATTEMPTS + 1):
             conn: Connection | None = None
             try:
                 async with pool.connection(timeout=max(0.0, deadline - loop.time())) as conn:
-                    cursor = await conn.execute(_LOCK_ROW, (written.key_id,))
-                    row = await cursor.fetchone()
+                    cursor = await conn.execute(_LOCK_ROWS, (sorted(wanted),))
+                    rows = await cursor.fetchall()
             except psycopg.OperationalError:
                 if conn is None or not conn.broken or number == _MAX_ATTEMPTS:
                     raise
                 continue  # another dead pooled connection: the read is safe to repeat
-            landed = row is not None and LeaseRecord(written.key_id, *row) == written
-            log.info(
-                "PostgreSQL store: a cut-off COMMIT %s",
-                "had taken effect" if landed else "had not taken effect; deciding again",
-            )
+            landed = {
+                key
+                for row in rows
+                if LeaseRecord(key := bytes(row[0]), *row[1:]) == wanted.get(key)
+            }
+            if len(landed) == len(wanted):
+                log.info("PostgreSQL store: a cut-off COMMIT had taken effect")
+            elif not landed:
+                log.info("PostgreSQL store: a cut-off COMMIT had not taken effect; deciding again")
+            else:
+                log.info(
+                    "PostgreSQL store: a cut-off COMMIT had taken effect for %d of %d keys; "
+                    "deciding the others again",
+                    len(landed),
+                    len(wanted),
+                )
             return landed
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -545,6 +662,80 @@ async def _end_transaction(conn: Connection) -> None:
     # On failure the pool discards or resets the connection when it comes back.
     with contextlib.suppress(psycopg.Error):
         await conn.rollback()
+
+
+def _decide_in_turn(
+    batch: list[_Pending],
+    found: dict[bytes, LeaseRecord],
+    now_ms: int,
+    next_fence: Callable[[], int],
+) -> tuple[list[tuple[_Pending, Decision | BaseException]], dict[bytes, LeaseRecord]]:
+    """Each command's decision on the records as the commands before it left them,
+    and the last record decided for every key that changed."""
+    records = dict(found)
+    results: list[tuple[_Pending, Decision | BaseException]] = []
+    writes: dict[bytes, LeaseRecord] = {}
+    for pending in batch:
+        command = pending.command
+        try:
+            decision = decide_with_fence(records.get(command.key_id), command, now_ms, next_fence)
+        except LeaseError as exc:
+            results.append((pending, exc))
+            continue
+        except Exception:
+            log.exception("lease decision failed")
+            results.append((pending, InternalError()))
+            continue
+        w = decision.write
+        if w is not None:
+            records[w.key_id] = writes[w.key_id] = w
+        results.append((pending, decision))
+    return results, writes
+
+
+def _columns(records: list[LeaseRecord]) -> tuple[list[Any], ...]:
+    """``records`` as the nine column arrays that ``_UNNEST`` takes."""
+    return (
+        [r.key_id for r in records],
+        [r.fingerprint for r in records],
+        [r.absolute_expires_ms for r in records],
+        [r.fencing_token for r in records],
+        [r.owner for r in records],
+        [r.lease_expires_ms for r in records],
+        [r.completed_ms for r in records],
+        [r.result for r in records],
+        [r.updated_ms for r in records],
+    )
+
+
+def _split(
+    results: list[tuple[_Pending, Decision | BaseException]],
+    written: set[bytes],
+    landed: set[bytes],
+) -> _Batch:
+    """Answer the commands whose key was not written, or was written and is found
+    (``landed``); give the others back to be decided again."""
+    answered, again = [], []
+    for pending, outcome in results:
+        key = pending.command.key_id
+        if key in written and key not in landed:
+            again.append(pending)
+        else:
+            answered.append((pending, outcome))
+    return _Batch(answered, again)
+
+
+def _settle(future: asyncio.Future[Any], outcome: Any) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
+def _expire(future: asyncio.Future[Any]) -> None:
+    _settle(future, ServiceUnavailable("The lease store did not answer in time"))
 
 
 def _first_int(row: TupleRow | None) -> int:
