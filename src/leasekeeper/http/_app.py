@@ -14,7 +14,8 @@ import hashlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Hashable
+import types
+from collections.abc import AsyncIterator, Callable, Generator, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -326,26 +327,113 @@ class LeaseEndpoint:
                 if value.isdigit() and int(value) > max_body:
                     raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
                 break
+        # A client trickling its body (or lying about its length) must not hold a
+        # connection forever: the whole body must arrive within body_timeout seconds
+        # (the headers have their own bound, http._protocol). The timer starts when a
+        # receive() first has to wait, before which no time has passed; a body that is
+        # already there (nearly every request) is read without one.
+        deadline = _Deadline(self.body_timeout)
         body = b""
         try:
-            # A client trickling its body (or lying about its length) must not hold a
-            # connection forever; the headers have their own bound (http._protocol).
-            async with asyncio.timeout(self.body_timeout):
-                while True:
-                    message = await receive()
-                    if message["type"] != "http.request":  # http.disconnect
-                        raise _ClientGone
-                    chunk: bytes = message.get("body", b"")
-                    body += chunk  # usually one chunk; at most max_body bytes in all
-                    if len(body) > max_body:
-                        raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
-                    if not message.get("more_body", False):
-                        return body
+            while True:
+                receiving = receive().__await__()
+                try:
+                    waits_for = receiving.send(None)
+                except StopIteration as arrived:
+                    message = arrived.value
+                else:
+                    deadline.start()
+                    message = await _resume(receiving, waits_for)
+                if message["type"] != "http.request":  # http.disconnect
+                    raise _ClientGone
+                chunk: bytes = message.get("body", b"")
+                body += chunk  # usually one chunk; at most max_body bytes in all
+                if len(body) > max_body:
+                    raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
+                if not message.get("more_body", False):
+                    return body
+        except asyncio.CancelledError:
+            if not deadline.stop():
+                raise  # cancelled by someone else: never swallowed
         except TimeoutError:
-            self.metrics.slow_clients.labels("body").inc()
-            raise RequestTimeout(
-                f"The request body was not received within {self.body_timeout:g} seconds"
-            ) from None
+            pass  # receive()'s own timeout: a slow body as well
+        finally:
+            deadline.stop()
+        self.metrics.slow_clients.labels("body").inc()
+        raise RequestTimeout(
+            f"The request body was not received within {self.body_timeout:g} seconds"
+        )
+
+
+class _Deadline:
+    """Cancels the current task ``seconds`` after ``start()`` unless stopped first.
+
+    What ``asyncio.timeout`` does, for a deadline that is mostly never started: no
+    timer is set until then (a loop timer costs a few microseconds). ``stop()``
+    cancels the timer and undoes its own cancellation of the task
+    (``Task.uncancel``); it answers True only when the deadline expired and nobody
+    else has asked to cancel the task, so that the ``CancelledError`` being raised
+    is the deadline's alone.
+    """
+
+    __slots__ = ("_cancelling", "_expired", "_handle", "_seconds", "_task")
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+        self._handle: asyncio.TimerHandle | None = None
+        self._expired = False
+
+    def start(self) -> None:
+        """Start the timer (once; later calls do nothing)."""
+        if self._handle is not None:
+            return
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("_Deadline should be used inside a task")
+        self._task = task
+        self._cancelling = task.cancelling()
+        self._handle = asyncio.get_running_loop().call_later(self._seconds, self._expire)
+
+    def _expire(self) -> None:
+        self._expired = True
+        self._task.cancel()
+
+    def stop(self) -> bool:
+        """Stop the timer; True if it had expired and its cancellation is the only one."""
+        handle = self._handle
+        if handle is None:
+            return False
+        handle.cancel()
+        self._handle = None
+        if not self._expired:
+            return False
+        self._expired = False
+        return self._task.uncancel() <= self._cancelling
+
+
+@types.coroutine
+def _resume(
+    receiving: Generator[Any, None, Message], waits_for: Any
+) -> Generator[Any, Any, Message]:
+    """Await the rest of ``receiving``, which ran until it yielded ``waits_for``.
+
+    The same as ``await`` would have done had it run from the start: what it yields
+    goes to the task, what the task sends or throws in (a cancellation) goes to it.
+    """
+    try:
+        while True:
+            try:
+                sent = yield waits_for
+            except GeneratorExit:
+                receiving.close()
+                raise
+            except BaseException as exc:
+                waits_for = receiving.throw(exc)
+            else:
+                waits_for = receiving.send(sent)
+    except StopIteration as done:
+        message: Message = done.value
+        return message
 
 
 class LeaseApp:
