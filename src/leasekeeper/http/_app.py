@@ -244,11 +244,20 @@ def _client_address(scope: Scope) -> str:
 
 
 async def _send_json(
-    send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]] | None = None
+    send: Send,
+    status: int,
+    body: bytes,
+    extra: list[tuple[bytes, bytes]] | None,
+    request_id: bytes | None,
 ) -> None:
+    """Send ``body`` as JSON; with ``request_id``, also the headers ``LeaseApp`` adds to
+    every response, in the order its wrapper would have added them (last)."""
     headers = [(b"content-length", str(len(body)).encode("ascii")), _JSON_HEADER]
     if extra:
         headers += extra
+    if request_id is not None:
+        headers += _SECURITY_HEADERS
+        headers.append((b"x-request-id", request_id))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -279,7 +288,12 @@ class LeaseEndpoint:
         self.body_timeout = body_timeout
         self.metrics = metrics
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> int:
+    async def __call__(
+        self, scope: Scope, receive: Receive, send: Send, request_id: bytes | None = None
+    ) -> int:
+        """Answer one request. With ``request_id`` (as ``LeaseApp`` calls it) the answer
+        carries every header of a response, security headers and X-Request-Id included;
+        without, as a plain ASGI app, the layer around it must add those."""
         extra = None
         state = {"body_read": False}
         try:
@@ -294,7 +308,7 @@ class LeaseEndpoint:
         except Exception as exc:
             log.error("unhandled error on POST %s", _ROUTE_NAMES.get(scope["path"]), exc_info=exc)
             status, body, extra = error_parts(InternalError())
-        await _send_json(send, status, body, extra)
+        await _send_json(send, status, body, extra, request_id)
         return status
 
     async def _handle(
@@ -446,7 +460,9 @@ class LeaseApp:
     route name, status, time; never a path, body or header value).
 
     A plain ASGI wrapper rather than ``BaseHTTPMiddleware``, which would cost a
-    task and a stream per request on the hot path.
+    task and a stream per request on the hot path. A ``LeaseEndpoint`` is handed
+    the request id and sends its final header list itself; only Starlette's
+    responses go through a ``send`` wrapper that adds the headers.
     """
 
     def __init__(
@@ -478,25 +494,12 @@ class LeaseApp:
         request_id = f"{random.getrandbits(64):016x}"  # unique enough; not a secret
         reset = REQUEST_ID.set(request_id)
         header_id = request_id.encode("ascii")
-
-        async def send_with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = [
-                    (name, value)
-                    for name, value in message.get("headers", [])
-                    if name.lower() not in _OWN_HEADERS
-                ]
-                headers.extend(_SECURITY_HEADERS)
-                headers.append((b"x-request-id", header_id))
-                message = {**message, "headers": headers}
-            await send(message)
-
         path = scope["path"]
         route = _ROUTE_NAMES.get(path, "other")
         try:
             if self.in_flight >= self.max_in_flight:
                 status, body, extra = self._busy
-                await _send_json(send_with_headers, status, body, list(extra))
+                await _send_json(send, status, body, list(extra), header_id)
                 self._count(route, status)
                 return
             endpoint = self.lease_routes.get(path) if scope["method"] == "POST" else None
@@ -505,9 +508,9 @@ class LeaseApp:
             status = 500
             try:
                 if endpoint is not None:
-                    status = await endpoint(scope, receive, send_with_headers)
+                    status = await endpoint(scope, receive, send, header_id)
                 else:
-                    status = await self._starlette(scope, receive, send_with_headers)
+                    status = await self._starlette(scope, receive, send, header_id)
             finally:
                 elapsed = time.perf_counter() - started
                 self.in_flight -= 1
@@ -530,16 +533,28 @@ class LeaseApp:
             increment = self._counted[(route, status)] = child.inc
         increment()
 
-    async def _starlette(self, scope: Scope, receive: Receive, send: Send) -> int:
+    async def _starlette(
+        self, scope: Scope, receive: Receive, send: Send, request_id: bytes
+    ) -> int:
+        """Starlette answers; its response gets the security headers and X-Request-Id
+        (replacing any it set itself). Returns the status it sent (500 if none)."""
         status_code = 500
 
-        async def send_seen(message: Message) -> None:
+        async def send_with_headers(message: Message) -> None:
             nonlocal status_code
             if message["type"] == "http.response.start":
                 status_code = message["status"]
+                headers = [
+                    (name, value)
+                    for name, value in message.get("headers", [])
+                    if name.lower() not in _OWN_HEADERS
+                ]
+                headers.extend(_SECURITY_HEADERS)
+                headers.append((b"x-request-id", request_id))
+                message = {**message, "headers": headers}
             await send(message)
 
-        await self.app(scope, receive, send_seen)
+        await self.app(scope, receive, send_with_headers)
         return status_code
 
 
