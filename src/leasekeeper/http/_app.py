@@ -346,7 +346,7 @@ class LeaseEndpoint:
         # (the headers have their own bound, http._protocol). The timer starts when a
         # receive() first has to wait, before which no time has passed; a body that is
         # already there (nearly every request) is read without one.
-        deadline = _Deadline(self.body_timeout)
+        deadline = None
         body = b""
         try:
             while True:
@@ -356,7 +356,8 @@ class LeaseEndpoint:
                 except StopIteration as arrived:
                     message = arrived.value
                 else:
-                    deadline.start()
+                    if deadline is None:
+                        deadline = _Deadline(self.body_timeout)
                     message = await _resume(receiving, waits_for)
                 if message["type"] != "http.request":  # http.disconnect
                     raise _ClientGone
@@ -367,12 +368,13 @@ class LeaseEndpoint:
                 if not message.get("more_body", False):
                     return body
         except asyncio.CancelledError:
-            if not deadline.stop():
+            if deadline is None or not deadline.stop():
                 raise  # cancelled by someone else: never swallowed
         except TimeoutError:
             pass  # receive()'s own timeout: a slow body as well
         finally:
-            deadline.stop()
+            if deadline is not None:
+                deadline.stop()
         self.metrics.slow_clients.labels("body").inc()
         raise RequestTimeout(
             f"The request body was not received within {self.body_timeout:g} seconds"
@@ -380,40 +382,36 @@ class LeaseEndpoint:
 
 
 class _Deadline:
-    """Cancels the current task ``seconds`` after ``start()`` unless stopped first.
+    """Cancels the current task ``seconds`` from now unless stopped first.
 
-    What ``asyncio.timeout`` does, for a deadline that is mostly never started: no
-    timer is set until then (a loop timer costs a few microseconds). ``stop()``
-    cancels the timer and undoes its own cancellation of the task
-    (``Task.uncancel``); it answers True only when the deadline expired and nobody
-    else has asked to cancel the task, so that the ``CancelledError`` being raised
-    is the deadline's alone.
+    What ``asyncio.timeout`` does, as an object that is only made when a body has
+    to be waited for (a loop timer costs a few microseconds). ``stop()`` cancels
+    the timer and undoes its own cancellation of the task (``Task.uncancel``); it
+    answers True only when the deadline expired and nobody else has asked to
+    cancel the task, so that the ``CancelledError`` being raised is the deadline's
+    alone.
     """
 
-    __slots__ = ("_cancelling", "_expired", "_handle", "_seconds", "_task")
+    __slots__ = ("_cancelling", "_expired", "_handle", "_task")
 
     def __init__(self, seconds: float) -> None:
-        self._seconds = seconds
-        self._handle: asyncio.TimerHandle | None = None
-        self._expired = False
-
-    def start(self) -> None:
-        """Start the timer (once; later calls do nothing)."""
-        if self._handle is not None:
-            return
         task = asyncio.current_task()
         if task is None:
             raise RuntimeError("_Deadline should be used inside a task")
         self._task = task
         self._cancelling = task.cancelling()
-        self._handle = asyncio.get_running_loop().call_later(self._seconds, self._expire)
+        self._expired = False
+        self._handle: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            seconds, self._expire
+        )
 
     def _expire(self) -> None:
         self._expired = True
         self._task.cancel()
 
     def stop(self) -> bool:
-        """Stop the timer; True if it had expired and its cancellation is the only one."""
+        """Stop the timer (again: nothing); True if it had expired and its cancellation
+        is the only one."""
         handle = self._handle
         if handle is None:
             return False
