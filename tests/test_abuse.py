@@ -8,11 +8,13 @@ switches them on (workers behind one NAT share an address). Slow clients get
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -100,6 +102,110 @@ def test_request_limits_are_off_by_default() -> None:
     assert settings.address_rate == 0 and settings.namespace_request_rate == 0
     assert (settings.namespace_rate, settings.namespace_burst) == (10.0, 100)
     assert settings.request_timeout_seconds == 10 and settings.keep_alive_seconds == 30
+
+
+# -- slow bodies (in process: receive() under the test's control) -----------------------------
+
+BODY_TIMEOUT = 0.2
+
+
+def post_lease(
+    receive: Callable[[], Awaitable[dict[str, Any]]], cancel_after: float | None = None
+) -> tuple[list[dict[str, Any]], float | None, float]:
+    """POST /lease with ``receive``: the messages sent, slow_clients{stage="body"}, seconds.
+
+    With ``cancel_after``, the request's task is cancelled from outside after that
+    many seconds, and must end cancelled (CancelledError is not swallowed)."""
+    settings = Settings(request_timeout_seconds=BODY_TIMEOUT)
+    app = create_app(LeaseService(MemoryStore()), settings, run_cleanup=False)
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": f"{BASE}/lease",
+        "headers": [],
+        "client": ("127.0.0.1", 1),
+    }
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def run() -> float:
+        started = time.monotonic()
+        task = asyncio.create_task(app(scope, receive, send))
+        if cancel_after is None:
+            await task
+        else:
+            await asyncio.sleep(cancel_after)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert task.cancelled()
+        return time.monotonic() - started
+
+    took = asyncio.run(run())
+    slow = app.state.metrics.registry.get_sample_value(
+        "leasekeeper_slow_clients_total", {"stage": "body"}
+    )
+    return sent, slow, took
+
+
+def messages_then(
+    messages: list[dict[str, Any]], wait: float
+) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """A receive() that waits ``wait`` seconds before each of ``messages``, then forever."""
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(wait if messages else 3600)
+        return messages.pop(0)
+
+    return receive
+
+
+def test_a_body_that_stops_arriving_is_cut_off_in_process() -> None:
+    """Part of the body, then nothing: 408 timeout after the request timeout, connection
+    closed, and counted in leasekeeper_slow_clients_total{stage="body"}."""
+    part = {"type": "http.request", "body": b'{"key": "', "more_body": True}
+    for wait in (0, 0.01):  # the first part already there, or on its way
+        sent, slow, took = post_lease(messages_then([part], wait))
+        status, body = sent[0]["status"], json.loads(sent[1]["body"])
+        assert (status, body["status"]) == (408, "timeout")
+        assert (b"connection", b"close") in sent[0]["headers"]
+        assert slow == 1
+        assert BODY_TIMEOUT <= took < BODY_TIMEOUT + 1
+
+
+def test_a_body_that_arrives_in_time_is_served_in_process() -> None:
+    """A body that has to be waited for, in one part or in several, is a normal request."""
+    key = f'"{uuid.uuid4()}"}}'
+    for parts in ([b'{"key": ' + key.encode()], [b'{"key": ', b"", key.encode()]):
+        messages = [
+            {"type": "http.request", "body": part, "more_body": i < len(parts) - 1}
+            for i, part in enumerate(parts)
+        ]
+        sent, slow, _ = post_lease(messages_then(messages, BODY_TIMEOUT / 10))
+        assert sent[0]["status"] == 201, sent
+        assert not slow
+
+
+def test_a_cancelled_request_stays_cancelled_while_its_body_is_awaited() -> None:
+    """A cancellation from outside (a server shutting down) is not turned into a 408, also
+    when it comes at the moment the body's deadline expires."""
+    sent, slow, _ = post_lease(messages_then([], 0), cancel_after=BODY_TIMEOUT / 4)
+    assert sent == [] and not slow
+
+    async def cancelled_too() -> dict[str, Any]:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:  # the deadline's; someone else cancels as well
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+            raise
+        raise AssertionError("not reached")
+
+    sent, slow, _ = post_lease(cancelled_too, cancel_after=BODY_TIMEOUT * 2)
+    assert sent == [] and not slow
 
 
 # -- slow and malformed clients (a real server, raw sockets) -----------------------------------

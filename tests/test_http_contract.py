@@ -607,6 +607,41 @@ class TestTransport:
             assert response.headers["cache-control"] == "no-store"
             assert response.headers["x-content-type-options"] == "nosniff"
 
+    def test_responses_carry_exactly_these_headers(self, api: Api, ns: str) -> None:
+        """Lease answers and refusals (with Retry-After, or Connection: close when the body
+        was not read) and Starlette's routes: every header, in order, and nothing more."""
+
+        def headers(response: Any) -> list[tuple[str, str]]:
+            raw = [(k.decode().lower(), v.decode()) for k, v in response.headers.raw]
+            name, request_id = raw.pop()
+            assert name == "x-request-id" and re.fullmatch(r"[0-9a-f]{16}", request_id)
+            return raw
+
+        def json_headers(response: Any, *extra: tuple[str, str]) -> list[tuple[str, str]]:
+            return [
+                ("content-length", str(len(response.content))),
+                ("content-type", "application/json"),
+                *extra,
+                ("cache-control", "no-store"),
+                ("x-content-type-options", "nosniff"),
+            ]
+
+        granted = api.acquire(namespace=ns, key=KEY)
+        held = api.acquire(namespace=ns, key=KEY)
+        too_large = api.post("/lease", content=b"x" * 70_000)
+        invalid = api.acquire(key="bad")
+        health = api.client.get("/healthz")
+        not_found = api.client.get("/nothing")
+        wrong_method = api.client.get("/services/v1/lease")
+        assert (granted.status_code, held.status_code, too_large.status_code) == (201, 409, 413)
+        assert headers(granted) == json_headers(granted)
+        assert headers(held) == json_headers(held, ("retry-after", held.headers["retry-after"]))
+        assert headers(too_large) == json_headers(too_large, ("connection", "close"))
+        assert headers(invalid) == json_headers(invalid)
+        assert headers(health) == json_headers(health)
+        assert headers(not_found) == json_headers(not_found)
+        assert headers(wrong_method) == json_headers(wrong_method, ("allow", "POST"))
+
     def test_health_and_readiness(self, api: Api) -> None:
         """/healthz says the process is alive, /readyz that the store answers."""
         assert api.client.get("/healthz").json() == {"ok": True, "status": "alive"}

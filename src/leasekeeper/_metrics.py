@@ -18,6 +18,8 @@ stored, so a lease's hold time is not knowable after the fact):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from leasekeeper._core.model import (
@@ -128,14 +130,28 @@ class Metrics:
             "Records deleted because their lifecycle was over",
             registry=self.registry,
         )
+        # prometheus_client's labels() costs a lock and a tuple per call: keep each
+        # child's method once it exists (operations and outcomes are small fixed sets).
+        self._store_observe: dict[str, Callable[[float], None]] = {}
+        self._store_failed: dict[str, Callable[[], None]] = {}
+        self._decided: dict[tuple[str, str], Callable[[], None]] = {}
+        self._lease_observe: dict[str, Callable[[float], None]] = {}
 
     # -- the service's observer ------------------------------------------------------------
 
     def store_call(self, operation: str, seconds: float, failed: bool) -> None:
         """One store call: its latency, and whether it failed."""
-        self.store_latency.labels(operation).observe(seconds)
+        observe = self._store_observe.get(operation)
+        if observe is None:
+            histogram = self.store_latency.labels(operation)
+            observe = self._store_observe[operation] = histogram.observe
+        observe(seconds)
         if failed:
-            self.store_failures.labels(operation).inc()
+            increment = self._store_failed.get(operation)
+            if increment is None:
+                failures = self.store_failures.labels(operation)
+                increment = self._store_failed[operation] = failures.inc
+            increment()
 
     def decided(self, operation: str, outcome: Outcome, lifecycle_ms: int) -> None:
         """One decision of the rules, as returned by the store."""
@@ -145,12 +161,17 @@ class Metrics:
             name = "completed"
         else:
             name = type(outcome).__name__.lower()
-        self.decisions.labels(operation, name).inc()
+        increment = self._decided.get((operation, name))
+        if increment is None:
+            counter = self.decisions.labels(operation, name)
+            increment = self._decided[(operation, name)] = counter.inc
+        increment()
         if isinstance(outcome, Granted | Renewed):
-            record = outcome.record
-            self.lease_seconds.labels(operation).observe(
-                max(0, record.lease_expires_ms - outcome.now_ms) / 1000
-            )
+            observe = self._lease_observe.get(operation)
+            if observe is None:
+                histogram = self.lease_seconds.labels(operation)
+                observe = self._lease_observe[operation] = histogram.observe
+            observe(max(0, outcome.record.lease_expires_ms - outcome.now_ms) / 1000)
         elif isinstance(outcome, Held):
             self.wait_seconds.observe(
                 max(0, outcome.record.lease_expires_ms - outcome.now_ms) / 1000

@@ -14,7 +14,8 @@ import hashlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Hashable
+import types
+from collections.abc import AsyncIterator, Callable, Generator, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -243,11 +244,20 @@ def _client_address(scope: Scope) -> str:
 
 
 async def _send_json(
-    send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]] | None = None
+    send: Send,
+    status: int,
+    body: bytes,
+    extra: list[tuple[bytes, bytes]] | None,
+    request_id: bytes | None,
 ) -> None:
+    """Send ``body`` as JSON; with ``request_id``, also the headers ``LeaseApp`` adds to
+    every response, in the order its wrapper would have added them (last)."""
     headers = [(b"content-length", str(len(body)).encode("ascii")), _JSON_HEADER]
     if extra:
         headers += extra
+    if request_id is not None:
+        headers += _SECURITY_HEADERS
+        headers.append((b"x-request-id", request_id))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -278,7 +288,12 @@ class LeaseEndpoint:
         self.body_timeout = body_timeout
         self.metrics = metrics
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> int:
+    async def __call__(
+        self, scope: Scope, receive: Receive, send: Send, request_id: bytes | None = None
+    ) -> int:
+        """Answer one request. With ``request_id`` (as ``LeaseApp`` calls it) the answer
+        carries every header of a response, security headers and X-Request-Id included;
+        without, as a plain ASGI app, the layer around it must add those."""
         extra = None
         state = {"body_read": False}
         try:
@@ -293,7 +308,7 @@ class LeaseEndpoint:
         except Exception as exc:
             log.error("unhandled error on POST %s", _ROUTE_NAMES.get(scope["path"]), exc_info=exc)
             status, body, extra = error_parts(InternalError())
-        await _send_json(send, status, body, extra)
+        await _send_json(send, status, body, extra, request_id)
         return status
 
     async def _handle(
@@ -326,26 +341,111 @@ class LeaseEndpoint:
                 if value.isdigit() and int(value) > max_body:
                     raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
                 break
+        # A client trickling its body (or lying about its length) must not hold a
+        # connection forever: the whole body must arrive within body_timeout seconds
+        # (the headers have their own bound, http._protocol). The timer starts when a
+        # receive() first has to wait, before which no time has passed; a body that is
+        # already there (nearly every request) is read without one.
+        deadline = None
         body = b""
         try:
-            # A client trickling its body (or lying about its length) must not hold a
-            # connection forever; the headers have their own bound (http._protocol).
-            async with asyncio.timeout(self.body_timeout):
-                while True:
-                    message = await receive()
-                    if message["type"] != "http.request":  # http.disconnect
-                        raise _ClientGone
-                    chunk: bytes = message.get("body", b"")
-                    body += chunk  # usually one chunk; at most max_body bytes in all
-                    if len(body) > max_body:
-                        raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
-                    if not message.get("more_body", False):
-                        return body
+            while True:
+                receiving = receive().__await__()
+                try:
+                    waits_for = receiving.send(None)
+                except StopIteration as arrived:
+                    message = arrived.value
+                else:
+                    if deadline is None:
+                        deadline = _Deadline(self.body_timeout)
+                    message = await _resume(receiving, waits_for)
+                if message["type"] != "http.request":  # http.disconnect
+                    raise _ClientGone
+                chunk: bytes = message.get("body", b"")
+                body += chunk  # usually one chunk; at most max_body bytes in all
+                if len(body) > max_body:
+                    raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
+                if not message.get("more_body", False):
+                    return body
+        except asyncio.CancelledError:
+            if deadline is None or not deadline.stop():
+                raise  # cancelled by someone else: never swallowed
         except TimeoutError:
-            self.metrics.slow_clients.labels("body").inc()
-            raise RequestTimeout(
-                f"The request body was not received within {self.body_timeout:g} seconds"
-            ) from None
+            pass  # receive()'s own timeout: a slow body as well
+        finally:
+            if deadline is not None:
+                deadline.stop()
+        self.metrics.slow_clients.labels("body").inc()
+        raise RequestTimeout(
+            f"The request body was not received within {self.body_timeout:g} seconds"
+        )
+
+
+class _Deadline:
+    """Cancels the current task ``seconds`` from now unless stopped first.
+
+    What ``asyncio.timeout`` does, as an object that is only made when a body has
+    to be waited for (a loop timer costs a few microseconds). ``stop()`` cancels
+    the timer and undoes its own cancellation of the task (``Task.uncancel``); it
+    answers True only when the deadline expired and nobody else has asked to
+    cancel the task, so that the ``CancelledError`` being raised is the deadline's
+    alone.
+    """
+
+    __slots__ = ("_cancelling", "_expired", "_handle", "_task")
+
+    def __init__(self, seconds: float) -> None:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("_Deadline should be used inside a task")
+        self._task = task
+        self._cancelling = task.cancelling()
+        self._expired = False
+        self._handle: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            seconds, self._expire
+        )
+
+    def _expire(self) -> None:
+        self._expired = True
+        self._task.cancel()
+
+    def stop(self) -> bool:
+        """Stop the timer (again: nothing); True if it had expired and its cancellation
+        is the only one."""
+        handle = self._handle
+        if handle is None:
+            return False
+        handle.cancel()
+        self._handle = None
+        if not self._expired:
+            return False
+        self._expired = False
+        return self._task.uncancel() <= self._cancelling
+
+
+@types.coroutine
+def _resume(
+    receiving: Generator[Any, None, Message], waits_for: Any
+) -> Generator[Any, Any, Message]:
+    """Await the rest of ``receiving``, which ran until it yielded ``waits_for``.
+
+    The same as ``await`` would have done had it run from the start: what it yields
+    goes to the task, what the task sends or throws in (a cancellation) goes to it.
+    """
+    try:
+        while True:
+            try:
+                sent = yield waits_for
+            except GeneratorExit:
+                receiving.close()
+                raise
+            except BaseException as exc:
+                waits_for = receiving.throw(exc)
+            else:
+                waits_for = receiving.send(sent)
+    except StopIteration as done:
+        message: Message = done.value
+        return message
 
 
 class LeaseApp:
@@ -358,7 +458,9 @@ class LeaseApp:
     route name, status, time; never a path, body or header value).
 
     A plain ASGI wrapper rather than ``BaseHTTPMiddleware``, which would cost a
-    task and a stream per request on the hot path.
+    task and a stream per request on the hot path. A ``LeaseEndpoint`` is handed
+    the request id and sends its final header list itself; only Starlette's
+    responses go through a ``send`` wrapper that adds the headers.
     """
 
     def __init__(
@@ -390,25 +492,12 @@ class LeaseApp:
         request_id = f"{random.getrandbits(64):016x}"  # unique enough; not a secret
         reset = REQUEST_ID.set(request_id)
         header_id = request_id.encode("ascii")
-
-        async def send_with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = [
-                    (name, value)
-                    for name, value in message.get("headers", [])
-                    if name.lower() not in _OWN_HEADERS
-                ]
-                headers.extend(_SECURITY_HEADERS)
-                headers.append((b"x-request-id", header_id))
-                message = {**message, "headers": headers}
-            await send(message)
-
         path = scope["path"]
         route = _ROUTE_NAMES.get(path, "other")
         try:
             if self.in_flight >= self.max_in_flight:
                 status, body, extra = self._busy
-                await _send_json(send_with_headers, status, body, list(extra))
+                await _send_json(send, status, body, list(extra), header_id)
                 self._count(route, status)
                 return
             endpoint = self.lease_routes.get(path) if scope["method"] == "POST" else None
@@ -417,9 +506,9 @@ class LeaseApp:
             status = 500
             try:
                 if endpoint is not None:
-                    status = await endpoint(scope, receive, send_with_headers)
+                    status = await endpoint(scope, receive, send, header_id)
                 else:
-                    status = await self._starlette(scope, receive, send_with_headers)
+                    status = await self._starlette(scope, receive, send, header_id)
             finally:
                 elapsed = time.perf_counter() - started
                 self.in_flight -= 1
@@ -442,16 +531,28 @@ class LeaseApp:
             increment = self._counted[(route, status)] = child.inc
         increment()
 
-    async def _starlette(self, scope: Scope, receive: Receive, send: Send) -> int:
+    async def _starlette(
+        self, scope: Scope, receive: Receive, send: Send, request_id: bytes
+    ) -> int:
+        """Starlette answers; its response gets the security headers and X-Request-Id
+        (replacing any it set itself). Returns the status it sent (500 if none)."""
         status_code = 500
 
-        async def send_seen(message: Message) -> None:
+        async def send_with_headers(message: Message) -> None:
             nonlocal status_code
             if message["type"] == "http.response.start":
                 status_code = message["status"]
+                headers = [
+                    (name, value)
+                    for name, value in message.get("headers", [])
+                    if name.lower() not in _OWN_HEADERS
+                ]
+                headers.extend(_SECURITY_HEADERS)
+                headers.append((b"x-request-id", request_id))
+                message = {**message, "headers": headers}
             await send(message)
 
-        await self.app(scope, receive, send_seen)
+        await self.app(scope, receive, send_with_headers)
         return status_code
 
 
