@@ -183,3 +183,38 @@ def test_serve_takes_startup_objects_out_of_the_garbage_collectors_scans() -> No
     finally:
         gc.unfreeze()
         gc.set_threshold(*threshold)
+
+
+def test_cleanup_pauses_after_each_full_batch_as_long_as_it_took() -> None:
+    """A cleanup leaves the store to requests between batches: pause = batch time x ratio."""
+    import asyncio
+
+    from leasekeeper import LeaseService
+
+    class Purging:
+        """A store with 5 finished records whose purge takes 10 ms (on the fake clock)."""
+
+        left = 5
+
+        async def purge(self, limit: int) -> int:
+            nonlocal now
+            now += 0.010
+            deleted = min(limit, self.left)
+            self.left -= deleted
+            return deleted
+
+    now = 0.0
+    pauses: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        pauses.append(round(seconds, 6))
+
+    service = LeaseService(
+        Purging(),  # type: ignore[arg-type]
+        cleanup_batch=2,
+        cleanup_pause=1.5,
+        sleep=sleep,
+        monotonic=lambda: now,
+    )
+    assert asyncio.run(service.cleanup()) == 5
+    assert pauses == [0.015, 0.015]  # after the two full batches; none after the last

@@ -10,7 +10,7 @@ LEASEKEEPER_STORE                      store URL                    sqlite:///./
 LEASEKEEPER_HOST / LEASEKEEPER_PORT    listen address               127.0.0.1 / 8787
 LEASEKEEPER_LIFECYCLE_SECONDS          length of a key's lifecycle  86400
 LEASEKEEPER_CLEANUP_INTERVAL_SECONDS   pause between cleanups       3600
-LEASEKEEPER_CLEANUP_BATCH              records deleted per batch    1000
+LEASEKEEPER_CLEANUP_BATCH              records deleted per batch    200
 LEASEKEEPER_STORE_TIMEOUT_SECONDS      longest wait for the store   5
 LEASEKEEPER_MAX_BODY_BYTES             request body limit           65536
 LEASEKEEPER_MAX_CONNECTIONS            concurrent connections       1000
@@ -55,7 +55,7 @@ class Settings:
     port: int = 8787
     lifecycle_seconds: int = 86_400
     cleanup_interval_seconds: float = 3600.0
-    cleanup_batch: int = 1000
+    cleanup_batch: int = 200
     store_timeout_seconds: float = 5.0
     max_body_bytes: int = 65_536
     max_connections: int = 1000
