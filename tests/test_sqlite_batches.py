@@ -97,3 +97,35 @@ def test_a_batch_reads_records_written_by_earlier_batches(tmp_path: Path) -> Non
         await store.close()
 
     asyncio.run(main())
+
+
+def test_checkpoints_copy_the_wal_into_the_database_file_off_the_writer(tmp_path: Path) -> None:
+    """The writer never checkpoints by itself (no COMMIT waits for one); the checkpoint
+    thread copies committed pages into the database file soon after they are written."""
+    import contextlib
+    import sqlite3
+    import time
+
+    clock = FakeClock()
+    path = tmp_path / "c.db"
+
+    def rows_in_database_file() -> int:
+        # immutable=1 reads the database file alone, ignoring the WAL.
+        uri = f"{path.resolve().as_uri()}?immutable=1"
+        with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:
+            (count,) = conn.execute("SELECT count(*) FROM leases").fetchone()
+            return int(count)
+
+    async def main() -> None:
+        store = SqliteStore(path, clock)
+        await store.open()
+        for _ in range(50):
+            decision = await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+            assert isinstance(decision.outcome, Granted)
+        deadline = time.monotonic() + 10
+        while rows_in_database_file() < 50:  # a real thread: wait for it, within bounds
+            assert time.monotonic() < deadline, "no checkpoint within 10 s"
+            await asyncio.sleep(0.02)
+        await store.close()
+
+    asyncio.run(main())
