@@ -263,7 +263,8 @@ class SqliteStore:
             return
         loop.call_soon_threadsafe(_settle, ready, None, None)
         checkpointer = _Checkpointer(self.path, self._timeout)
-        checkpointer.start()
+        if not checkpointer.start():
+            conn.execute("PRAGMA wal_autocheckpoint = 1000")  # SQLite's own, in the COMMITs
         try:
             while True:
                 first = self._queue.get()
@@ -446,8 +447,18 @@ class _Checkpointer:
             target=self._run, name="leasekeeper-sqlite-checkpoint", daemon=True
         )
 
-    def start(self) -> None:
+    def start(self) -> bool:
+        """Connect and start the thread; False (and logged) when it cannot connect."""
+        try:
+            conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
+            conn.execute("PRAGMA synchronous = FULL")
+            conn.execute(f"PRAGMA busy_timeout = {int(self._timeout * 1000)}")
+        except sqlite3.Error as exc:
+            log.warning("SQLite checkpoints stay in the writer's commits: %s", exc)
+            return False
+        self._conn = conn
         self._thread.start()
+        return True
 
     def poke(self) -> None:
         """Something was committed: checkpoint soon."""
@@ -467,17 +478,12 @@ class _Checkpointer:
     def stop(self) -> None:
         self._stopping.set()
         self._wake.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def _run(self) -> None:
+        conn = self._conn
         try:
-            conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
-        except sqlite3.Error as exc:
-            log.warning("SQLite checkpoints fall back to the writer: %s", exc)
-            return
-        try:
-            conn.execute("PRAGMA synchronous = FULL")
-            conn.execute(f"PRAGMA busy_timeout = {int(self._timeout * 1000)}")
             while True:
                 self._wake.wait()
                 if self._stopping.is_set():
