@@ -626,3 +626,24 @@ def test_a_commit_that_never_arrived_is_decided_again(
 
     asyncio.run(main())
     assert "a cut-off COMMIT had not taken effect; deciding again" in caplog.text
+
+
+def test_closing_answers_every_queued_request(make_store: StoreFactory) -> None:
+    """Requests queued for a batch when the store closes are answered, not left to time out."""
+    store = make_store("postgres", timeout_seconds=30, max_batch=10, max_batches=1)
+
+    async def main() -> None:
+        await store.open()
+        calls = [asyncio.ensure_future(store.apply(acquire())) for _ in range(600)]
+        await asyncio.sleep(0)  # every call is queued; the first batch has begun
+        started = time.monotonic()
+        await store.close()
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        assert time.monotonic() - started < 10
+        assert all(
+            isinstance(o, ServiceUnavailable) or isinstance(o.outcome, Granted)  # type: ignore[union-attr]
+            for o in outcomes
+        )
+        assert any(isinstance(o, ServiceUnavailable) for o in outcomes)
+
+    asyncio.run(main())

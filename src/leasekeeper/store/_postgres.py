@@ -297,6 +297,10 @@ class PostgresStore:
                 task.cancel()
             if self._tasks:
                 await asyncio.wait(list(self._tasks), timeout=self._timeout)
+            while self._waiting:  # queued, never taken by a batch: answer them now
+                _settle(
+                    self._waiting.popleft().future, ServiceUnavailable("The lease store closed")
+                )
             await pool.close(timeout=self._timeout)
 
     # -- the interface ---------------------------------------------------------------------
