@@ -20,18 +20,32 @@ may be slow (a scan), must not delay ``apply``, and is read every few seconds at
 
 Failures to reach or write the store raise ``ServiceUnavailable``; nothing else
 escapes. The rules themselves live in ``leasekeeper._core.rules``: every backend
-calls ``decide_with_fence``, so no backend can disagree with another about them.
+calls ``decide_with_fence`` (a batch of commands through ``decide_in_turn``), so
+no backend can disagree with another about them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+import asyncio
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from leasekeeper._core.model import Command, Decision, LeaseRecord
 from leasekeeper._core.rules import decide
+from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
 
-__all__ = ["MAX_FENCING_TOKEN", "LiveCounter", "Store", "decide_with_fence"]
+__all__ = [
+    "MAX_FENCING_TOKEN",
+    "LiveCounter",
+    "Store",
+    "decide_in_turn",
+    "decide_with_fence",
+    "expire",
+    "settle",
+]
+
+log = logging.getLogger("leasekeeper.store")
 
 #: Fencing tokens are positive integers below 2**63.
 MAX_FENCING_TOKEN = 2**63 - 1
@@ -85,3 +99,52 @@ def decide_with_fence(
             raise OverflowError("the fencing counter is exhausted")
         decision = decision.with_fence(fence)
     return decision
+
+
+def decide_in_turn(
+    commands: Sequence[Command],
+    found: Mapping[bytes, LeaseRecord],
+    now_ms: Callable[[], int],
+    next_fence: Callable[[], int],
+) -> tuple[list[Decision | LeaseError], dict[bytes, LeaseRecord]]:
+    """Decide a batch of ``commands`` as if each ran alone, one after another.
+
+    ``found`` holds the stored records of their keys. Each command is decided on the
+    records as the commands before it left them; a command the rules refuse, or that
+    fails unexpectedly, gets its error in its place and changes nothing. Returns each
+    command's decision (or error), and the last record decided for every changed key:
+    what the store must write, inside the transaction that read ``found``.
+    """
+    records = dict(found)
+    outcomes: list[Decision | LeaseError] = []
+    writes: dict[bytes, LeaseRecord] = {}
+    for command in commands:
+        try:
+            decision = decide_with_fence(records.get(command.key_id), command, now_ms(), next_fence)
+        except LeaseError as exc:
+            outcomes.append(exc)
+            continue
+        except Exception:
+            log.exception("lease decision failed")
+            outcomes.append(InternalError())
+            continue
+        w = decision.write
+        if w is not None:
+            records[w.key_id] = writes[w.key_id] = w
+        outcomes.append(decision)
+    return outcomes, writes
+
+
+def settle(future: asyncio.Future[Any], outcome: Any) -> None:
+    """Give ``future`` its outcome (raised when an exception), unless it is done already."""
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
+def expire(future: asyncio.Future[Any]) -> None:
+    """A store call's timer ran out before its answer came."""
+    settle(future, ServiceUnavailable("The lease store did not answer in time"))

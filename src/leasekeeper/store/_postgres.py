@@ -60,8 +60,8 @@ from psycopg_pool import AsyncConnectionPool
 
 from leasekeeper._core.clock import Clock
 from leasekeeper._core.model import Command, Decision, LeaseRecord
-from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
-from leasekeeper.store._base import decide_with_fence
+from leasekeeper._errors import LeaseError, ServiceUnavailable
+from leasekeeper.store._base import decide_in_turn, expire, settle
 
 __all__ = ["SCHEMA_VERSION", "PostgresStore"]
 
@@ -204,7 +204,7 @@ class _Pending:
 class _Batch:
     """A committed batch: each command's decision (or error), and the commands to run again."""
 
-    results: list[tuple[_Pending, Decision | BaseException]]
+    results: list[tuple[_Pending, Decision | LeaseError]]
     again: list[_Pending]
 
 
@@ -298,9 +298,7 @@ class PostgresStore:
             if self._tasks:
                 await asyncio.wait(list(self._tasks), timeout=self._timeout)
             while self._waiting:  # queued, never taken by a batch: answer them now
-                _settle(
-                    self._waiting.popleft().future, ServiceUnavailable("The lease store closed")
-                )
+                settle(self._waiting.popleft().future, ServiceUnavailable("The lease store closed"))
             await pool.close(timeout=self._timeout)
 
     # -- the interface ---------------------------------------------------------------------
@@ -322,7 +320,7 @@ class PostgresStore:
             task = loop.create_task(self._run_batches())
             self._tasks.add(task)
             task.add_done_callback(self._settled)
-        timer = loop.call_later(self._timeout, _expire, future)
+        timer = loop.call_later(self._timeout, expire, future)
         try:
             return await future
         finally:
@@ -374,16 +372,16 @@ class PostgresStore:
             if error is None and not isinstance(exc, asyncio.CancelledError):
                 log.error("PostgreSQL store: a batch failed", exc_info=exc)
             for pending in batch:
-                _settle(pending.future, error or ServiceUnavailable("The lease store is closing"))
+                settle(pending.future, error or ServiceUnavailable("The lease store is closing"))
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
         for pending, outcome in done.results:
-            _settle(pending.future, outcome)
+            settle(pending.future, outcome)
         for pending in reversed(done.again):
             pending.returned += 1
             if pending.returned >= _MAX_ATTEMPTS:
-                _settle(pending.future, ServiceUnavailable("The lease store is too busy"))
+                settle(pending.future, ServiceUnavailable("The lease store is too busy"))
             else:
                 self._waiting.appendleft(pending)
 
@@ -425,13 +423,16 @@ class PostgresStore:
             # The rules say which commands grant a new owner; fences are drawn for
             # exactly those, and the batch is decided again with them (the rules are
             # pure: the same records and time give the same decisions).
+            commands = [pending.command for pending in batch]
+            at_now = itertools.repeat(now_ms).__next__
             placeholders = itertools.count(1)
-            results, writes = _decide_in_turn(batch, found, now_ms, placeholders.__next__)
+            outcomes, writes = decide_in_turn(commands, found, at_now, placeholders.__next__)
             grants = next(placeholders) - 1
             if grants:
                 drawn = await conn.execute(_NEXT_FENCES, (grants,))
                 fences = sorted(int(row[0]) for row in await drawn.fetchall())  # round trip 2
-                results, writes = _decide_in_turn(batch, found, now_ms, iter(fences).__next__)
+                outcomes, writes = decide_in_turn(commands, found, at_now, iter(fences).__next__)
+            results = list(zip(batch, outcomes, strict=True))
             existing = set(found)
             updates = [w for key, w in writes.items() if key in existing]
             inserts = [w for key, w in writes.items() if key not in existing]
@@ -675,35 +676,6 @@ async def _end_transaction(conn: Connection) -> None:
         await conn.rollback()
 
 
-def _decide_in_turn(
-    batch: list[_Pending],
-    found: dict[bytes, LeaseRecord],
-    now_ms: int,
-    next_fence: Callable[[], int],
-) -> tuple[list[tuple[_Pending, Decision | BaseException]], dict[bytes, LeaseRecord]]:
-    """Each command's decision on the records as the commands before it left them,
-    and the last record decided for every key that changed."""
-    records = dict(found)
-    results: list[tuple[_Pending, Decision | BaseException]] = []
-    writes: dict[bytes, LeaseRecord] = {}
-    for pending in batch:
-        command = pending.command
-        try:
-            decision = decide_with_fence(records.get(command.key_id), command, now_ms, next_fence)
-        except LeaseError as exc:
-            results.append((pending, exc))
-            continue
-        except Exception:
-            log.exception("lease decision failed")
-            results.append((pending, InternalError()))
-            continue
-        w = decision.write
-        if w is not None:
-            records[w.key_id] = writes[w.key_id] = w
-        results.append((pending, decision))
-    return results, writes
-
-
 def _columns(records: list[LeaseRecord]) -> tuple[list[Any], ...]:
     """``records`` as the nine column arrays that ``_UNNEST`` takes."""
     return (
@@ -720,7 +692,7 @@ def _columns(records: list[LeaseRecord]) -> tuple[list[Any], ...]:
 
 
 def _split(
-    results: list[tuple[_Pending, Decision | BaseException]],
+    results: list[tuple[_Pending, Decision | LeaseError]],
     written: set[bytes],
     landed: set[bytes],
 ) -> _Batch:
@@ -734,19 +706,6 @@ def _split(
         else:
             answered.append((pending, outcome))
     return _Batch(answered, again)
-
-
-def _settle(future: asyncio.Future[Any], outcome: Any) -> None:
-    if future.done():
-        return
-    if isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)
-
-
-def _expire(future: asyncio.Future[Any]) -> None:
-    _settle(future, ServiceUnavailable("The lease store did not answer in time"))
 
 
 def _first_int(row: TupleRow | None) -> int:

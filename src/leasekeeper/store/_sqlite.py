@@ -35,7 +35,7 @@ from typing import Any
 from leasekeeper._core.clock import Clock, SystemClock
 from leasekeeper._core.model import Command, Decision, LeaseRecord
 from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
-from leasekeeper.store._base import decide_with_fence
+from leasekeeper.store._base import decide_in_turn, expire, settle
 
 __all__ = ["SqliteStore"]
 
@@ -212,7 +212,7 @@ class SqliteStore:
         future: asyncio.Future[Any] = loop.create_future()
         self._queue.put(_Op(command, task, future, loop))
         # A plain timer rather than asyncio.timeout(): a third of the cost on every request.
-        timer = loop.call_later(self._timeout, _expire, future)
+        timer = loop.call_later(self._timeout, expire, future)
         try:
             return await future
         finally:
@@ -259,9 +259,9 @@ class SqliteStore:
         except (sqlite3.Error, OSError, RuntimeError) as exc:
             log.error("cannot open the SQLite store at %s: %s", self.path, exc)
             error = ServiceUnavailable(f"Cannot open the SQLite store: {exc}")
-            loop.call_soon_threadsafe(_settle, ready, None, error)
+            loop.call_soon_threadsafe(settle, ready, error)
             return
-        loop.call_soon_threadsafe(_settle, ready, None, None)
+        loop.call_soon_threadsafe(settle, ready, None)
         checkpointer = _Checkpointer(self.path, self._timeout)
         if not checkpointer.start():
             conn.execute("PRAGMA wal_autocheckpoint = 1000")  # SQLite's own, in the COMMITs
@@ -295,7 +295,7 @@ class SqliteStore:
             conn.close()
 
     def _run_batch(self, conn: sqlite3.Connection, batch: list[_Op]) -> None:
-        results: list[tuple[_Op, Any, BaseException | None]] = []
+        results: list[tuple[_Op, Any]] = []
         try:
             conn.execute("BEGIN IMMEDIATE")
             try:
@@ -330,8 +330,8 @@ class SqliteStore:
         except sqlite3.Error as exc:
             log.error("SQLite transaction failed, %d operations refused: %s", len(batch), exc)
             error = ServiceUnavailable("The lease store could not complete the write")
-            results = [(op, None, error) for op in batch]
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Op, Any, BaseException | None]]] = {}
+            results = [(op, error) for op in batch]
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Op, Any]]] = {}
         for entry in results:
             by_loop.setdefault(entry[0].loop, []).append(entry)
         for loop, entries in by_loop.items():
@@ -343,7 +343,7 @@ class SqliteStore:
         conn: sqlite3.Connection,
         ops: list[_Op],
         next_fence: Callable[[], int],
-        results: list[tuple[_Op, Any, BaseException | None]],
+        results: list[tuple[_Op, Any]],
     ) -> None:
         """Decide ``ops`` (lease commands) in order, as if each ran alone.
 
@@ -351,33 +351,16 @@ class SqliteStore:
         the ones before it left them (two commands on one key decide in turn), and
         the last state of every changed record is written with one statement.
         """
-        live = [op for op in ops if not op.future.done()]  # else the caller gave up
-        keys = list(dict.fromkeys(op.command.key_id for op in live if op.command is not None))
+        live = [op for op in ops if op.command is not None and not op.future.done()]
+        commands = [op.command for op in live if op.command is not None]  # (all of them)
+        keys = list(dict.fromkeys(command.key_id for command in commands))
         records: dict[bytes, LeaseRecord] = {}
         for at in range(0, len(keys), _SELECT_CHUNK):
             chunk = keys[at : at + _SELECT_CHUNK]
             for row in conn.execute(_select_many(len(chunk)), chunk):
                 records[row[0]] = LeaseRecord(*row)
-        writes: dict[bytes, LeaseRecord] = {}
-        now_ms = self._clock.now_ms
-        for op in live:
-            command = op.command
-            assert command is not None
-            try:
-                decision = decide_with_fence(
-                    records.get(command.key_id), command, now_ms(), next_fence
-                )
-            except LeaseError as exc:
-                results.append((op, None, exc))
-                continue
-            except Exception:
-                log.exception("lease decision failed")
-                results.append((op, None, InternalError()))
-                continue
-            w = decision.write
-            if w is not None:
-                records[w.key_id] = writes[w.key_id] = w
-            results.append((op, decision, None))
+        outcomes, writes = decide_in_turn(commands, records, self._clock.now_ms, next_fence)
+        results.extend(zip(live, outcomes, strict=True))
         if writes:
             conn.executemany(
                 _UPSERT,
@@ -401,19 +384,19 @@ class SqliteStore:
     def _run_task(
         conn: sqlite3.Connection,
         op: _Op,
-        results: list[tuple[_Op, Any, BaseException | None]],
+        results: list[tuple[_Op, Any]],
     ) -> None:
         if op.future.done() or op.task is None:
             return
         try:
-            results.append((op, op.task(conn), None))
+            results.append((op, op.task(conn)))
         except sqlite3.Error:
             raise
         except LeaseError as exc:
-            results.append((op, None, exc))
+            results.append((op, exc))
         except Exception:
             log.exception("SQLite task failed")
-            results.append((op, None, InternalError()))
+            results.append((op, InternalError()))
 
 
 class _Checkpointer:
@@ -500,26 +483,12 @@ class _Checkpointer:
             conn.close()
 
 
-def _settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(value)
-
-
-def _expire(future: asyncio.Future[Any]) -> None:
-    if not future.done():
-        future.set_exception(ServiceUnavailable("The lease store did not answer in time"))
-
-
 def _fail_all(batch: list[_Op], error: BaseException) -> None:
     for op in batch:
         with contextlib.suppress(RuntimeError):
-            op.loop.call_soon_threadsafe(_settle, op.future, None, error)
+            op.loop.call_soon_threadsafe(settle, op.future, error)
 
 
-def _deliver(entries: list[tuple[_Op, Any, BaseException | None]]) -> None:
-    for op, value, error in entries:
-        _settle(op.future, value, error)
+def _deliver(entries: list[tuple[_Op, Any]]) -> None:
+    for op, outcome in entries:
+        settle(op.future, outcome)
