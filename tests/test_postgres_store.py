@@ -647,3 +647,31 @@ def test_closing_answers_every_queued_request(make_store: StoreFactory) -> None:
         assert any(isinstance(o, ServiceUnavailable) for o in outcomes)
 
     asyncio.run(main())
+
+
+def test_an_unforeseen_failure_of_a_batch_is_internal_and_the_store_goes_on(
+    make_store: StoreFactory,
+) -> None:
+    """A bug in a batch answers its requests 500 internal (not unavailable) and no others."""
+    from leasekeeper._errors import InternalError
+
+    store = make_store("postgres")
+
+    async def main() -> None:
+        async with opened(store):
+            original = store._decide_batch  # type: ignore[attr-defined]
+            calls = 0
+
+            async def flaky(*args: Any) -> Any:
+                nonlocal calls
+                calls += 1
+                if calls == 1:
+                    raise RuntimeError("simulated bug")
+                return await original(*args)
+
+            store._decide_batch = flaky  # type: ignore[attr-defined]
+            with pytest.raises(InternalError):
+                await store.apply(acquire())
+            assert isinstance((await store.apply(acquire())).outcome, Granted)
+
+    asyncio.run(main())

@@ -60,7 +60,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from leasekeeper._core.clock import Clock
 from leasekeeper._core.model import Command, Decision, LeaseRecord
-from leasekeeper._errors import LeaseError, ServiceUnavailable
+from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
 from leasekeeper.store._base import decide_in_turn, expire, settle
 
 __all__ = ["SCHEMA_VERSION", "PostgresStore"]
@@ -368,11 +368,16 @@ class PostgresStore:
         try:
             done = await self._run("apply", work)
         except BaseException as exc:
-            error = exc if isinstance(exc, ServiceUnavailable) else None
-            if error is None and not isinstance(exc, asyncio.CancelledError):
+            error: LeaseError
+            if isinstance(exc, ServiceUnavailable):
+                error = exc
+            elif isinstance(exc, asyncio.CancelledError):  # close() cancels the batches
+                error = ServiceUnavailable("The lease store is closing")
+            else:
                 log.error("PostgreSQL store: a batch failed", exc_info=exc)
+                error = InternalError()
             for pending in batch:
-                settle(pending.future, error or ServiceUnavailable("The lease store is closing"))
+                settle(pending.future, error)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return
