@@ -76,6 +76,17 @@ def on_store(make_store: StoreFactory, store_kind: str) -> Callable[[Body[Any]],
     return run
 
 
+async def purge_all(store: Store, limit: int = 100) -> int:
+    """One whole walk of ``purge`` steps (as a cleanup takes them): how many records went."""
+    total, resume = 0, None
+    while True:
+        step = await store.purge(limit, resume)
+        total += step.deleted
+        if step.resume is None:
+            return total
+        resume = step.resume
+
+
 async def grant(store: Store, key: bytes, owner: bytes, **fields: Any) -> Granted:
     decision = await store.apply(
         Acquire(
@@ -299,7 +310,7 @@ def test_purge_deletes_exactly_the_records_whose_lifecycle_is_over(
     """Purge takes records at or past their absolute expiry, up to the limit, and no others."""
 
     async def body(store: Store) -> None:
-        assert await store.purge(100) == 0
+        assert await purge_all(store) == 0
         early, completed, later = new_id(), new_id(), new_id()
         await grant(store, early, new_id(), lifecycle_ms=10_000)
         owner = new_id()
@@ -308,30 +319,44 @@ def test_purge_deletes_exactly_the_records_whose_lifecycle_is_over(
         clock.advance(5)
         await grant(store, later, new_id(), lifecycle_ms=10_000)
         clock.advance(4.999)
-        assert await store.purge(100) == 0
+        assert await purge_all(store) == 0
         clock.advance(ms=1)  # exactly at the first absolute expiry: over
-        assert await store.purge(100) == 1
-        assert await store.purge(100) == 0
+        assert await purge_all(store) == 1
+        assert await purge_all(store) == 0
         replay = await acquire(store, completed)
         assert isinstance(replay.outcome, CompletedOutcome)
         clock.advance(5)
-        assert await store.purge(100) == 1
+        assert await purge_all(store) == 1
         clock.advance(5)
-        assert await store.purge(100) == 1
-        assert await store.purge(100) == 0
+        assert await purge_all(store) == 1
+        assert await purge_all(store) == 0
 
     on_store(body)
 
 
-def test_purge_respects_its_limit(on_store: Any, clock: FakeClock) -> None:
-    """Purge deletes at most ``limit`` records per call and reports how many it deleted."""
+def test_purge_walks_in_bounded_steps(on_store: Any, clock: FakeClock) -> None:
+    """Each step deletes at most ``limit`` records and says where the next one starts; the
+    walk ends with every finished record gone and the live one kept."""
 
     async def body(store: Store) -> None:
         for _ in range(5):
             await grant(store, new_id(), new_id(), lifecycle_ms=1000)
-        await grant(store, new_id(), new_id(), lifecycle_ms=5000)
+        live = new_id()
+        await grant(store, live, new_id(), lifecycle_ms=5000)
         clock.advance(1)
-        assert [await store.purge(2) for _ in range(4)] == [2, 2, 1, 0]
+        deleted: list[int] = []
+        resume: bytes | None = None
+        while True:
+            step = await store.purge(2, resume)
+            assert 0 <= step.deleted <= 2
+            deleted.append(step.deleted)
+            if step.resume is None:
+                break
+            resume = step.resume
+        assert sum(deleted) == 5
+        assert len(deleted) >= 3
+        assert await purge_all(store) == 0
+        assert isinstance((await acquire(store, live)).outcome, Held)
 
     on_store(body)
 
@@ -350,7 +375,7 @@ def test_fences_never_go_back_after_purge_or_restart(
             other_key, other_owner = new_id(), new_id()
             await grant(store, other_key, other_owner)
             clock.advance(1)
-            assert await store.purge(100) == 1
+            assert await purge_all(store) == 1
             regrant = await grant(store, key, new_id(), lifecycle_ms=1000)
             assert regrant.record.fencing_token > highest + 1
             highest = regrant.record.fencing_token
@@ -358,7 +383,7 @@ def test_fences_never_go_back_after_purge_or_restart(
             renewed = await again.apply(Renew(other_key, other_owner, TTL))
             assert isinstance(renewed.outcome, Renewed)
             clock.advance(1)
-            assert await again.purge(100) == 1
+            assert await purge_all(again) == 1
             assert (await grant(again, key, new_id())).record.fencing_token > highest
 
     asyncio.run(main())

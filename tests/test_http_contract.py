@@ -668,8 +668,8 @@ class TestTransport:
             async def open(self) -> None: ...
             async def close(self) -> None: ...
             async def ping(self) -> None: ...
-            async def purge(self, limit: int) -> int:
-                return 0
+            async def purge(self, limit: int, after: bytes | None = None) -> Any:
+                return None
 
             async def apply(self, command: Any) -> Any:
                 raise RuntimeError("boom with detail /etc/secret")

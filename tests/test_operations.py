@@ -185,23 +185,26 @@ def test_serve_takes_startup_objects_out_of_the_garbage_collectors_scans() -> No
         gc.set_threshold(*threshold)
 
 
-def test_cleanup_pauses_after_each_full_batch_as_long_as_it_took() -> None:
-    """A cleanup leaves the store to requests between batches: pause = batch time x ratio."""
+def test_cleanup_walks_the_store_and_pauses_after_each_step_as_long_as_it_took() -> None:
+    """A cleanup follows the store's walk to its end, even past a step that deleted nothing,
+    and leaves the store to requests between steps: pause = step time x ratio."""
     import asyncio
 
     from leasekeeper import LeaseService
+    from leasekeeper.store import Purged
 
-    class Purging:
-        """A store with 5 finished records whose purge takes 10 ms (on the fake clock)."""
+    class Walking:
+        """Three steps of 10 ms each (on the fake clock); the second finds nothing to delete."""
 
-        left = 5
+        def __init__(self) -> None:
+            self.steps = [Purged(2, b"k1"), Purged(0, b"k2"), Purged(1, None)]
+            self.asked: list[tuple[int, bytes | None]] = []
 
-        async def purge(self, limit: int) -> int:
+        async def purge(self, limit: int, after: bytes | None = None) -> Purged:
             nonlocal now
             now += 0.010
-            deleted = min(limit, self.left)
-            self.left -= deleted
-            return deleted
+            self.asked.append((limit, after))
+            return self.steps.pop(0)
 
     now = 0.0
     pauses: list[float] = []
@@ -209,12 +212,14 @@ def test_cleanup_pauses_after_each_full_batch_as_long_as_it_took() -> None:
     async def sleep(seconds: float) -> None:
         pauses.append(round(seconds, 6))
 
+    store = Walking()
     service = LeaseService(
-        Purging(),  # type: ignore[arg-type]
+        store,  # type: ignore[arg-type]
         cleanup_batch=2,
         cleanup_pause=1.5,
         sleep=sleep,
         monotonic=lambda: now,
     )
-    assert asyncio.run(service.cleanup()) == 5
-    assert pauses == [0.015, 0.015]  # after the two full batches; none after the last
+    assert asyncio.run(service.cleanup()) == 3
+    assert store.asked == [(2, None), (2, b"k1"), (2, b"k2")]
+    assert pauses == [0.015, 0.015]  # after the first two steps; none after the last

@@ -47,7 +47,7 @@ from leasekeeper._schemas import (
     RenewBody,
     parse_body,
 )
-from leasekeeper.store import LiveCounter, Store
+from leasekeeper.store import LiveCounter, Purged, Store
 
 __all__ = ["OPERATIONS", "LeaseService", "Reply", "ServiceObserver"]
 
@@ -222,18 +222,22 @@ class LeaseService:
     async def cleanup(self) -> int:
         """Delete every record whose lifecycle is over, in batches; return how many.
 
-        After each full batch it pauses ``cleanup_pause`` times as long as the batch
-        took, leaving the store to requests: with the default 1.0, a cleanup of a
-        million records takes about twice as long as flat out, and requests meanwhile
-        wait behind at most one small batch (``cleanup_batch`` records) at a time.
+        Each batch is one step of the store's walk (``Store.purge``): at most
+        ``cleanup_batch`` records deleted, or on SQLite looked at. After each batch but
+        the last it pauses ``cleanup_pause`` times as long as the batch took, leaving the
+        store to requests: with the default 1.0, a cleanup of a million records takes
+        about twice as long as flat out, and requests meanwhile wait behind at most one
+        small batch at a time.
         """
         total = 0
+        resume: bytes | None = None
         while True:
             started = self._monotonic()
-            deleted: int = await self._timed("purge", self.store.purge(self._cleanup_batch))
-            total += deleted
-            if deleted < self._cleanup_batch:
+            step: Purged = await self._timed("purge", self.store.purge(self._cleanup_batch, resume))
+            total += step.deleted
+            if step.resume is None:
                 return total
+            resume = step.resume
             await self._sleep(self._cleanup_pause * max(0.0, self._monotonic() - started))
 
     async def handle(self, operation: str, data: Mapping[str, Any]) -> Reply:

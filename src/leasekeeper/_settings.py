@@ -10,7 +10,7 @@ LEASEKEEPER_STORE                      store URL                    sqlite:///./
 LEASEKEEPER_HOST / LEASEKEEPER_PORT    listen address               127.0.0.1 / 8787
 LEASEKEEPER_LIFECYCLE_SECONDS          length of a key's lifecycle  86400
 LEASEKEEPER_CLEANUP_INTERVAL_SECONDS   pause between cleanups       3600
-LEASEKEEPER_CLEANUP_BATCH              records deleted per batch    200
+LEASEKEEPER_CLEANUP_BATCH              records per cleanup batch    200
 LEASEKEEPER_STORE_TIMEOUT_SECONDS      longest wait for the store   5
 LEASEKEEPER_MAX_BODY_BYTES             request body limit           65536
 LEASEKEEPER_MAX_CONNECTIONS            concurrent connections       1000

@@ -14,7 +14,13 @@ from __future__ import annotations
 from urllib.parse import unquote, urlsplit
 
 from leasekeeper._core.clock import Clock
-from leasekeeper.store._base import MAX_FENCING_TOKEN, LiveCounter, Store, decide_with_fence
+from leasekeeper.store._base import (
+    MAX_FENCING_TOKEN,
+    LiveCounter,
+    Purged,
+    Store,
+    decide_with_fence,
+)
 from leasekeeper.store._memory import MemoryStore
 from leasekeeper.store._sqlite import SqliteStore
 
@@ -22,6 +28,7 @@ __all__ = [
     "MAX_FENCING_TOKEN",
     "LiveCounter",
     "MemoryStore",
+    "Purged",
     "SqliteStore",
     "Store",
     "StoreURLError",

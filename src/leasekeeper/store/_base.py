@@ -8,9 +8,15 @@ and offers exactly this:
     ``decide_with_fence`` on it at the store's ``now``, write the decided record,
     commit, and only then return the decision. Two ``apply`` calls on one key never
     interleave; a returned decision is durable.
-``purge(limit)``
-    Delete up to ``limit`` records whose lifecycle is over at the store's ``now``;
-    return how many went. Deleting never lowers the fencing counter.
+``purge(limit, after)``
+    Delete records whose lifecycle is over at the store's ``now``, one bounded
+    step of a walk over the store: at most ``limit`` records are deleted, and a
+    store that walks its records in key order (SQLite) looks at no more than
+    ``limit`` of them, the ones past ``after``. Returns ``Purged(deleted,
+    resume)``: pass ``resume`` as ``after`` to take the next step; it is ``None``
+    once the walk has covered the store (``after=None`` starts a walk). Records
+    written behind the walk wait for the next one. Deleting never lowers the
+    fencing counter.
 ``ping()``
     Succeed when the store can serve requests (``/readyz``).
 
@@ -29,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from leasekeeper._core.model import Command, Decision, LeaseRecord
 from leasekeeper._core.rules import decide
@@ -38,6 +44,7 @@ from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
 __all__ = [
     "MAX_FENCING_TOKEN",
     "LiveCounter",
+    "Purged",
     "Store",
     "decide_in_turn",
     "decide_with_fence",
@@ -49,6 +56,14 @@ log = logging.getLogger("leasekeeper.store")
 
 #: Fencing tokens are positive integers below 2**63.
 MAX_FENCING_TOKEN = 2**63 - 1
+
+
+class Purged(NamedTuple):
+    """One step of a purge: how many records it deleted, and where the next step starts."""
+
+    deleted: int
+    #: Pass as ``after`` to the next ``purge``; ``None``: the walk is over. Opaque.
+    resume: bytes | None
 
 
 class Store(Protocol):
@@ -66,8 +81,8 @@ class Store(Protocol):
         """Decide ``command`` against its key's record atomically and durably."""
         ...
 
-    async def purge(self, limit: int) -> int:
-        """Delete up to ``limit`` records whose lifecycle is over; return the count."""
+    async def purge(self, limit: int, after: bytes | None = None) -> Purged:
+        """Take one bounded step of deleting records whose lifecycle is over."""
         ...
 
     async def ping(self) -> None:

@@ -7,7 +7,7 @@ import threading
 from leasekeeper._core.clock import Clock, SystemClock
 from leasekeeper._core.model import Command, Decision, LeaseRecord
 from leasekeeper._core.rules import lifecycle_over
-from leasekeeper.store._base import decide_with_fence
+from leasekeeper.store._base import Purged, decide_with_fence
 
 __all__ = ["MemoryStore"]
 
@@ -42,13 +42,14 @@ class MemoryStore:
                 self._records[command.key_id] = decision.write
             return decision
 
-    async def purge(self, limit: int) -> int:
+    async def purge(self, limit: int, after: bytes | None = None) -> Purged:
+        """Deletes up to ``limit`` finished records; the walk is over when fewer were left."""
         with self._lock:
             now = self._clock.now_ms()
             over = [k for k, r in self._records.items() if lifecycle_over(r, now)][:limit]
             for key_id in over:
                 del self._records[key_id]
-            return len(over)
+            return Purged(len(over), b"" if len(over) == limit else None)
 
     async def count_live(self) -> int:
         with self._lock:

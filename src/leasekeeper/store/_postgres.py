@@ -61,7 +61,7 @@ from psycopg_pool import AsyncConnectionPool
 from leasekeeper._core.clock import Clock
 from leasekeeper._core.model import Command, Decision, LeaseRecord
 from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
-from leasekeeper.store._base import decide_in_turn, expire, settle
+from leasekeeper.store._base import Purged, decide_in_turn, expire, settle
 
 __all__ = ["SCHEMA_VERSION", "PostgresStore"]
 
@@ -326,7 +326,11 @@ class PostgresStore:
         finally:
             timer.cancel()
 
-    async def purge(self, limit: int) -> int:
+    async def purge(self, limit: int, after: bytes | None = None) -> Purged:
+        """Deletes up to ``limit`` finished records, in order of expiry: rows sit in the
+        heap roughly in the order they were created, so these share pages. The walk is
+        over when fewer than ``limit`` were left."""
+
         async def run(conn: Connection, attempt: _Attempt[int]) -> int:
             # One statement in autocommit: its own transaction, safe to repeat.
             if self._clock is None:
@@ -335,7 +339,8 @@ class PostgresStore:
                 cursor = await conn.execute(_PURGE_AT, (self._clock.now_ms(), limit))
             return max(cursor.rowcount, 0)
 
-        return await self._run("purge", run)
+        deleted = await self._run("purge", run)
+        return Purged(deleted, b"" if deleted >= limit else None)
 
     async def ping(self) -> None:
         async def run(conn: Connection, attempt: _Attempt[None]) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 from leasekeeper._core.clock import Clock, SystemClock
 from leasekeeper._core.model import Command, Decision, LeaseRecord
 from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
-from leasekeeper.store._base import decide_in_turn, expire, settle
+from leasekeeper.store._base import Purged, decide_in_turn, expire, settle
 
 __all__ = ["SqliteStore"]
 
@@ -66,7 +66,8 @@ CREATE TABLE IF NOT EXISTS leases (
     result              TEXT,
     updated_ms          INTEGER NOT NULL
 ) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS leases_lifecycle_end ON leases (absolute_expires_ms);
+-- Earlier versions purged through this index. Purges now walk the table in key order.
+DROP INDEX IF EXISTS leases_lifecycle_end;
 """
 
 _SELECT_MANY = (
@@ -93,10 +94,17 @@ def _select_many(count: int) -> str:
 
 
 _COUNT_LIVE = "SELECT count(*) FROM leases WHERE owner IS NOT NULL AND lease_expires_ms > ?"
-_PURGE = (
-    "DELETE FROM leases WHERE key_id IN "
-    "(SELECT key_id FROM leases WHERE absolute_expires_ms <= ? LIMIT ?)"
+#: A purge step walks the table in key order: the next ``limit`` keys past the
+#: last step's, then the finished records among them. Records live in key order,
+#: so a step's deletes share a few neighbouring pages: a step through a million
+#: finished records writes about 13 pages to the WAL per 200 records, where
+#: deleting them in order of expiry (through an index) wrote about 214, all over
+#: the file, and so did every later checkpoint.
+_PURGE_SPAN = (
+    "SELECT count(*), max(key_id) FROM "
+    "(SELECT key_id FROM leases WHERE key_id > ? ORDER BY key_id LIMIT ?)"
 )
+_PURGE = "DELETE FROM leases WHERE key_id > ? AND key_id <= ? AND absolute_expires_ms <= ?"
 
 
 #: Work for the writer that is not a lease decision (purge, ping): it gets the
@@ -165,14 +173,20 @@ class SqliteStore:
         decision: Decision = await self._submit(command, None)
         return decision
 
-    async def purge(self, limit: int) -> int:
+    async def purge(self, limit: int, after: bytes | None = None) -> Purged:
+        """Looks at the next ``limit`` keys past ``after`` and deletes the finished ones."""
         clock = self._clock
+        start = b"" if after is None else after  # every key id sorts after the empty blob
 
-        def run(conn: sqlite3.Connection) -> int:
-            return conn.execute(_PURGE, (clock.now_ms(), limit)).rowcount
+        def run(conn: sqlite3.Connection) -> Purged:
+            seen, last = conn.execute(_PURGE_SPAN, (start, limit)).fetchone()
+            if not seen:
+                return Purged(0, None)
+            deleted = conn.execute(_PURGE, (start, last, clock.now_ms())).rowcount
+            return Purged(deleted, bytes(last) if seen == limit else None)
 
-        count: int = await self._submit(None, run)
-        return count
+        purged: Purged = await self._submit(None, run)
+        return purged
 
     async def ping(self) -> None:
         def run(conn: sqlite3.Connection) -> None:
