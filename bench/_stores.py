@@ -3,11 +3,20 @@
 Pre-filling writes rows straight into the store's table, in the store's own format
 (the same columns ``SqliteStore`` and ``PostgresStore`` use): digests are random
 bytes, so no key in the workloads ever meets a pre-filled one, but every write
-lands in a table, and an index, of that size. Rows are written in key order with
-key ids spread evenly over the whole key space (a counter in the first four bytes,
-scaled to 2**32, then random bytes), so inserting is fast while new random keys
-still land everywhere in the tree. The fencing counter is raised past every
-pre-filled token.
+lands in a table, and an index, of that size. The fencing counter is raised past
+every pre-filled token.
+
+The order rows are written in is the order a store would have seen them:
+
+* SQLite keeps its table in key order whatever the order of the writes, so rows go
+  in key order (fast), with key ids spread evenly over the whole key space (a
+  counter in the first four bytes, scaled to 2**32, then random bytes), so new
+  random keys still land everywhere in the tree.
+* PostgreSQL appends rows to its heap in the order they are written, and a real
+  store's records were created one after another over the day: rows go in order of
+  creation, which is also the order their lifecycles end in, with random key ids.
+  (Writing them in key order would leave a heap sorted by HMAC digest, which no
+  running store has.)
 """
 
 from __future__ import annotations
@@ -64,20 +73,29 @@ class StoreTarget(Protocol):
         ...
 
 
-def rows(count: int, *, expired: bool, seed: int = 6) -> Iterator[list[tuple[Any, ...]]]:
-    """``count`` records in key order, in chunks: a third held, released, completed."""
+def rows(
+    count: int, *, expired: bool, by_time: bool = False, seed: int = 6
+) -> Iterator[list[tuple[Any, ...]]]:
+    """``count`` records in chunks, a third each held, released, completed: in key order,
+    or with ``by_time`` in the order they were created (see the module docstring)."""
     rng = random.Random(seed)
     now = time.time_ns() // 1_000_000
     day = 86_400_000
     step = 2**32 / count
+    span = day - 60_000
     chunk: list[tuple[Any, ...]] = []
     for i in range(count):
-        key_id = int(i * step).to_bytes(4, "big") + rng.randbytes(28)
+        if by_time:  # the later a record was created, the later its lifecycle ends
+            key_id = rng.randbytes(32)
+            offset = span * i // count
+        else:
+            key_id = int(i * step).to_bytes(4, "big") + rng.randbytes(28)
+            offset = rng.randrange(span)
         fingerprint = rng.randbytes(32) if i % 2 else None
         if expired:  # the lifecycle ended between a day and a minute ago
-            absolute = now - rng.randrange(60_000, day)
-        else:  # a lifecycle started within the last day
-            absolute = now + rng.randrange(60_000, day)
+            absolute = now - day + offset
+        else:  # it ends between a minute and a day from now
+            absolute = now + 60_000 + offset
         updated = absolute - day - rng.randrange(0, 60_000)  # its last decision
         owner: bytes | None = None
         lease_expires, completed, result = updated, None, None
@@ -205,7 +223,7 @@ class PostgresTarget:
                 conn.execute("SET LOCAL synchronous_commit = off")
                 statement = f"COPY leasekeeper_leases ({', '.join(COLUMNS)}) FROM STDIN"
                 with conn.cursor().copy(statement) as copy:
-                    for chunk in rows(count, expired=expired):
+                    for chunk in rows(count, expired=expired, by_time=True):
                         for row in chunk:
                             copy.write_row(row)
                 conn.execute(
@@ -214,6 +232,9 @@ class PostgresTarget:
                     (count,),
                 )
             conn.execute("VACUUM ANALYZE leasekeeper_leases")
+            # As SQLite's prefill ends with a checkpoint: the bulk load is written out now,
+            # not by a checkpoint in the middle of the measured runs.
+            conn.execute("CHECKPOINT")
 
     def expired(self, url: str) -> int:
         with self._connect(url) as conn:
