@@ -3,15 +3,24 @@
 Time comes from an injected monotonic function, so tests move it by hand.
 Buckets are forgotten least-recently-used first beyond ``max_keys``: a full
 bucket and a forgotten one behave the same, so forgetting only ever helps a client.
+
+Namespace minting is limited per client address wherever a client can mint over
+the network: the HTTP route and the MCP tool at ``/mcp`` both call ``take_mint``
+with the one limiter that ``leasekeeper serve`` makes (``mint_limiter``), so
+mints from one address add up across the two.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
 
-__all__ = ["RateLimiter"]
+from leasekeeper._errors import RateLimited
+from leasekeeper._settings import Settings
+
+__all__ = ["RateLimiter", "client_address", "mint_limiter", "take_mint"]
 
 
 class RateLimiter:
@@ -53,3 +62,32 @@ class RateLimiter:
         if allowed:
             return None
         return max(1, math.ceil((1.0 - tokens) / self.rate))
+
+    def enforce(self, key: Hashable, what: str) -> None:
+        """Spend one token for ``key``, or raise ``RateLimited`` ("Too many {what}; ...")."""
+        wait = self.take(key)
+        if wait is not None:
+            raise RateLimited(
+                f"Too many {what}; retry after {wait} seconds", retry_after_seconds=wait
+            )
+
+
+def client_address(scope: Mapping[str, Any]) -> str:
+    """The key of per-address limits: the ASGI scope's client host, else ``"unknown"``."""
+    client = scope.get("client")
+    return str(client[0]) if client else "unknown"
+
+
+def mint_limiter(
+    settings: Settings, *, monotonic: Callable[[], float] = time.monotonic
+) -> RateLimiter:
+    """The namespace-mint limiter (``LEASEKEEPER_NAMESPACE_RATE`` / ``_BURST``).
+
+    Make one per server and hand it to every adapter that mints over the network.
+    """
+    return RateLimiter(settings.namespace_rate, settings.namespace_burst, monotonic=monotonic)
+
+
+def take_mint(limiter: RateLimiter, scope: Mapping[str, Any]) -> None:
+    """Spend one mint of the ASGI ``scope``'s client address, or raise ``RateLimited``."""
+    limiter.enforce(client_address(scope), "namespaces minted from this address")

@@ -15,7 +15,7 @@ import logging
 import random
 import time
 import types
-from collections.abc import AsyncIterator, Callable, Generator, Hashable
+from collections.abc import AsyncIterator, Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,11 +33,10 @@ from leasekeeper._errors import (
     InternalError,
     LeaseError,
     PayloadTooLarge,
-    RateLimited,
     RequestTimeout,
     ServiceUnavailable,
 )
-from leasekeeper._limits import RateLimiter
+from leasekeeper._limits import RateLimiter, client_address, mint_limiter, take_mint
 from leasekeeper._logging import REQUEST_ID
 from leasekeeper._metrics import Metrics
 from leasekeeper._service import LeaseService
@@ -73,18 +72,21 @@ def create_app(
     run_cleanup: bool = True,
     extra_routes: list[BaseRoute] | None = None,
     lifespan_hooks: list[Callable[[], contextlib.AbstractAsyncContextManager[None]]] | None = None,
+    mint_limit: RateLimiter | None = None,
 ) -> LeaseApp:
     """The ASGI application over ``service``.
 
     Its lifespan opens the store and, when ``run_cleanup`` is true, runs the
     cleanup every ``settings.cleanup_interval_seconds``. ``monotonic`` drives the
     rate limits (tests pass a fake). ``extra_routes`` and ``lifespan_hooks`` let
-    other adapters (MCP) mount beside the API.
+    other adapters (MCP) mount beside the API; ``mint_limit`` is the namespace-mint
+    limiter to share with them (by default a new one from ``settings``).
     """
     settings = settings or Settings()
     metrics = Metrics()
     service.add_observer(metrics)
-    mint_limit = RateLimiter(settings.namespace_rate, settings.namespace_burst, monotonic=monotonic)
+    if mint_limit is None:
+        mint_limit = mint_limiter(settings, monotonic=monotonic)
     address_limit = RateLimiter(settings.address_rate, settings.address_burst, monotonic=monotonic)
     namespace_limit = RateLimiter(
         settings.namespace_request_rate, settings.namespace_request_burst, monotonic=monotonic
@@ -232,17 +234,6 @@ class _Limits:
     namespace: RateLimiter
 
 
-def _limit(limiter: RateLimiter, key: Hashable, what: str) -> None:
-    wait = limiter.take(key)
-    if wait is not None:
-        raise RateLimited(f"Too many {what}; retry after {wait} seconds", retry_after_seconds=wait)
-
-
-def _client_address(scope: Scope) -> str:
-    client = scope.get("client")
-    return str(client[0]) if client else "unknown"
-
-
 async def _send_json(
     send: Send,
     status: int,
@@ -316,11 +307,11 @@ class LeaseEndpoint:
     ) -> tuple[int, bytes]:
         limits = self.limits
         if limits.address.enabled:
-            _limit(limits.address, _client_address(scope), "requests from this address")
+            limits.address.enforce(client_address(scope), "requests from this address")
         raw = await self._read_body(scope, receive)
         state["body_read"] = True
         if self.operation == "namespace":
-            _limit(limits.mint, _client_address(scope), "namespaces minted from this address")
+            take_mint(limits.mint, scope)
             # Only JSON's own whitespace makes an empty body: bytes.strip() would also
             # drop \x0b and \x0c, which are not JSON and must be refused.
             empty = not raw.strip(_JSON_WHITESPACE)
@@ -330,7 +321,7 @@ class LeaseEndpoint:
         namespace = data.get("namespace")
         if limits.namespace.enabled and isinstance(namespace, str):
             digest = hashlib.sha256(namespace.encode("utf-8", "replace")).digest()
-            _limit(limits.namespace, digest, "requests for this namespace")
+            limits.namespace.enforce(digest, "requests for this namespace")
         reply = await self.service.handle(self.operation, data)
         return 201 if reply.created else 200, reply.json_bytes()
 
