@@ -9,6 +9,7 @@ import itertools
 import json
 import logging
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -29,9 +30,11 @@ from starlette.testclient import TestClient
 
 import leasekeeper.mcp
 from leasekeeper import FakeClock, LeaseService, Settings
+from leasekeeper.cli import serve_app
 from leasekeeper.http import create_app
-from leasekeeper.mcp import TOOL_OPERATIONS, create_mcp_server, streamable_http_mount
+from leasekeeper.mcp import TOOL_OPERATIONS, create_mcp_server
 from leasekeeper.store import MemoryStore
+from tests.conftest import FakeMonotonic
 
 TOOL_NAMES = {
     "create_lease_namespace",
@@ -450,19 +453,57 @@ _INITIALIZE = {
 _MCP_HEADERS = {"accept": "application/json, text/event-stream"}
 
 
+_MODERN = "2026-07-28"
+ERAS = ["handshake-era", _MODERN]
+
+
 @pytest.fixture
 def app_with_mcp(clock: FakeClock) -> Iterator[TestClient]:
-    service = LeaseService(MemoryStore(clock))
-    settings = Settings()
-    mount = streamable_http_mount(service, settings)
-    app = create_app(
-        service,
-        settings,
-        run_cleanup=False,
-        extra_routes=mount.routes,
-        lifespan_hooks=mount.lifespan_hooks,
-    )
+    """The app ``leasekeeper serve`` runs, with the default settings."""
+    app = serve_app(LeaseService(MemoryStore(clock)), Settings(), run_cleanup=False)
     with TestClient(app, base_url="http://127.0.0.1:8787") as client:
+        yield client
+
+
+def call_over_mcp(
+    client: TestClient, era: str, name: str, arguments: dict[str, Any]
+) -> CallToolResult:
+    """One stateless tools/call POST to /mcp, as a handshake-era or a 2026-07-28 client
+    sends it (the SDK serves the two on different paths)."""
+    params: dict[str, Any] = {"name": name, "arguments": arguments}
+    headers = dict(_MCP_HEADERS)
+    if era == _MODERN:
+        params["_meta"] = {
+            "io.modelcontextprotocol/protocolVersion": _MODERN,
+            "io.modelcontextprotocol/clientCapabilities": {},
+        }
+        headers |= {"mcp-protocol-version": _MODERN, "mcp-method": "tools/call", "mcp-name": name}
+    message = {"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": params}
+    response = client.post("/mcp", json=message, headers=headers)
+    assert response.status_code == 200, response.text
+    return CallToolResult.model_validate(response.json()["result"])
+
+
+class CountingRandom:
+    """``random_bytes`` for the service that counts its draws: every mint draws once."""
+
+    def __init__(self) -> None:
+        self.draws = 0
+
+    def __call__(self, n: int) -> bytes:
+        self.draws += 1
+        return secrets.token_bytes(n)
+
+
+@contextlib.contextmanager
+def served(
+    monotonic: FakeMonotonic, random: CountingRandom, environ: dict[str, str]
+) -> Iterator[TestClient]:
+    """The app ``leasekeeper serve`` runs, with settings read from ``environ``, for one
+    client address; rate limits run on ``monotonic``."""
+    service = LeaseService(MemoryStore(), random_bytes=random)
+    app = serve_app(service, Settings.from_env(environ), monotonic=monotonic, run_cleanup=False)
+    with TestClient(app, base_url="http://127.0.0.1:8787", client=("203.0.113.66", 4000)) as client:
         yield client
 
 
@@ -496,6 +537,61 @@ def test_mcp_route_limits_bodies_and_hosts(app_with_mcp: TestClient) -> None:
     assert rebinding.status_code == 421
 
 
+@pytest.mark.parametrize("era", ERAS)
+def test_mcp_mints_past_the_burst_are_rate_limited_as_over_http(
+    monotonic: FakeMonotonic, era: str
+) -> None:
+    """LEASEKEEPER_NAMESPACE_RATE / _BURST hold for create_lease_namespace over /mcp: past
+    the burst a mint is a rate_limited tool error with HTTP's 429 body, and mints nothing."""
+    random = CountingRandom()
+    limits = {"LEASEKEEPER_NAMESPACE_BURST": "3", "LEASEKEEPER_NAMESPACE_RATE": "0.5"}
+    with served(monotonic, random, limits) as client:
+        for _ in range(3):
+            assert ok(call_over_mcp(client, era, "create_lease_namespace", {}))["namespace"]
+        assert random.draws == 3
+        for _ in range(2):
+            result = call_over_mcp(client, era, "create_lease_namespace", {})
+            reply = refused(result, "rate_limited")
+            assert "namespace" not in reply
+        assert random.draws == 3
+        over_http = client.post("/services/v1/lease/namespace")
+        assert over_http.status_code == 429
+        assert reply == over_http.json()
+        assert reply["retry_after_seconds"] == 2  # one token at 0.5 per second
+        assert over_http.headers["retry-after"] == "2"
+        monotonic.advance(2)
+        ok(call_over_mcp(client, era, "create_lease_namespace", {}))
+        assert random.draws == 4
+
+
+@pytest.mark.parametrize("era", ERAS)
+@pytest.mark.parametrize("last", ["http", "mcp"])
+def test_http_and_mcp_mint_from_one_bucket(monotonic: FakeMonotonic, era: str, last: str) -> None:
+    """With a burst of 2, one mint over HTTP and one over MCP from one address spend it:
+    the next one is refused, whichever way it comes."""
+    random = CountingRandom()
+    limits = {"LEASEKEEPER_NAMESPACE_BURST": "2", "LEASEKEEPER_NAMESPACE_RATE": "1"}
+    with served(monotonic, random, limits) as client:
+        assert client.post("/services/v1/lease/namespace").status_code == 201
+        ok(call_over_mcp(client, era, "create_lease_namespace", {}))
+        if last == "http":
+            third = client.post("/services/v1/lease/namespace")
+            assert third.status_code == 429
+            assert third.json()["status"] == "rate_limited"
+        else:
+            refused(call_over_mcp(client, era, "create_lease_namespace", {}), "rate_limited")
+        assert random.draws == 2
+
+
+@pytest.mark.anyio
+async def test_the_stdio_server_does_not_limit_minting(service: LeaseService) -> None:
+    """The server that ``leasekeeper mcp`` serves over stdio has no mint limit (its peer is
+    a local process with no address): more mints than the default burst all succeed."""
+    async with running(service), Client(create_mcp_server(service)) as client:
+        for _ in range(Settings().namespace_burst + 10):
+            ok(await client.call_tool("create_lease_namespace", {}))
+
+
 # -- real transports: subprocesses -----------------------------------------------------------
 
 
@@ -506,11 +602,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(tmp_path: Path, log: Path) -> Iterator[str]:
-    """``leasekeeper serve`` on a free port with DEBUG logs to ``log``; yields its base URL."""
+def serve(tmp_path: Path, log: Path, **settings: str) -> Iterator[str]:
+    """``leasekeeper serve`` on a free port with DEBUG logs to ``log`` and ``settings`` as
+    LEASEKEEPER_ variables; yields its base URL."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEKEEPER_")}
     env["LEASEKEEPER_LOG_LEVEL"] = "DEBUG"
+    env.update({f"LEASEKEEPER_{name.upper()}": value for name, value in settings.items()})
     command = [str(LEASEKEEPER), "serve", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--store", f"sqlite:///{tmp_path}/x.db"]
     with log.open("w") as stderr:
@@ -547,6 +645,24 @@ async def test_streamable_http_against_leasekeeper_serve(tmp_path: Path) -> None
             async with Client(f"{base}/mcp", mode=mode) as client:
                 await full_flow(client, secrets)
     assert_no_secrets(log.read_text(), secrets)
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_leasekeeper_serve_limits_mints_over_http_and_mcp_together(tmp_path: Path) -> None:
+    """``leasekeeper serve`` with a burst of 2 (and next to no refill): a mint over HTTP and
+    one over /mcp spend it, and the next mint is refused over both."""
+    with serve(
+        tmp_path, tmp_path / "serve.log", namespace_burst="2", namespace_rate="0.001"
+    ) as base:
+        async with httpx.AsyncClient(base_url=base) as http, Client(f"{base}/mcp") as client:
+            assert (await http.post("/services/v1/lease/namespace")).status_code == 201
+            ok(await client.call_tool("create_lease_namespace", {}))
+            refused(await client.call_tool("create_lease_namespace", {}), "rate_limited")
+            # (Bodies are compared on a fake clock above: here the wait counts down.)
+            over_http = await http.post("/services/v1/lease/namespace")
+            assert over_http.status_code == 429
+            assert over_http.json()["status"] == "rate_limited"
 
 
 @pytest.mark.slow

@@ -7,7 +7,9 @@ import gc
 import logging
 import os
 import sys
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -18,7 +20,10 @@ from leasekeeper.client._cli import CLIENT_COMMANDS
 from leasekeeper.http._protocol import guard_protocol
 from leasekeeper.store import StoreURLError, open_store
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from leasekeeper.http import LeaseApp
+
+__all__ = ["main", "serve_app"]
 
 log = logging.getLogger("leasekeeper")
 
@@ -65,15 +70,13 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
     """Run the HTTP API (and MCP at /mcp)."""
     import uvicorn
 
-    from leasekeeper.http import create_app
-    from leasekeeper.mcp import quiet_sdk_logs, streamable_http_mount
+    from leasekeeper.mcp import quiet_sdk_logs
 
     settings = _settings(host=host, port=port, store=store)
     configure_logging(settings.log_level)
     service = _service(settings)
     quiet_sdk_logs()
-    mcp = streamable_http_mount(service, settings)
-    app = create_app(service, settings, extra_routes=mcp.routes, lifespan_hooks=mcp.lifespan_hooks)
+    app = serve_app(service, settings)
     _json_connection_limit_responses()
     slow_headers = app.metrics.slow_clients.labels("headers")
     protocol = guard_protocol(
@@ -87,6 +90,36 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
     )
     _tune_gc()
     uvicorn.run(app, host=settings.host, port=settings.port, **uvicorn_options(settings, protocol))
+
+
+def serve_app(
+    service: LeaseService,
+    settings: Settings,
+    *,
+    monotonic: Callable[[], float] = time.monotonic,
+    run_cleanup: bool = True,
+) -> LeaseApp:
+    """The application ``serve`` runs: the HTTP API with MCP at /mcp beside it.
+
+    One namespace-mint limiter serves both, so that mints from one client address
+    over HTTP and over MCP add up. ``monotonic`` drives the rate limits (tests
+    pass a fake).
+    """
+    from leasekeeper._limits import mint_limiter
+    from leasekeeper.http import create_app
+    from leasekeeper.mcp import streamable_http_mount
+
+    mint_limit = mint_limiter(settings, monotonic=monotonic)
+    mcp = streamable_http_mount(service, settings, mint_limit=mint_limit)
+    return create_app(
+        service,
+        settings,
+        monotonic=monotonic,
+        run_cleanup=run_cleanup,
+        extra_routes=mcp.routes,
+        lifespan_hooks=mcp.lifespan_hooks,
+        mint_limit=mint_limit,
+    )
 
 
 def _tune_gc() -> None:

@@ -8,6 +8,12 @@ content, and as JSON text for clients that read only text. A refusal
 body, so an agent can read ``status`` and ``retry_after_seconds``. Errors become
 results in one place, ``call_lease_tool``.
 
+Namespace minting over ``/mcp`` takes from the same per-address limiter as the
+HTTP route (``leasekeeper serve`` makes one and hands it to both), keyed by the
+HTTP client's address, which the SDK passes to a tool handler as ``ctx.request``
+(the Starlette request of the POST). Over stdio the peer is a local process with
+no address, and minting is not limited.
+
 The server is built on the SDK's low-level ``Server`` rather than ``MCPServer``:
 ``MCPServer`` derives schemas from Python signatures and validates arguments with
 pydantic in lax mode (``"60"`` and ``true`` would pass as integers), while the
@@ -19,7 +25,8 @@ Transports:
 - streamable HTTP (``streamable_http_mount``), mounted at ``/mcp`` beside the
   HTTP API by ``leasekeeper serve``. Stateless and with JSON responses: a tool
   call is one self-contained POST, so any instance behind a load balancer can
-  answer it and no session state lives in the process;
+  answer it and no session state lives in the process. Mints are rate limited
+  per client address, together with the HTTP route's;
 - stdio (``serve_stdio``), for desktop agents: ``leasekeeper mcp``.
 
 Nothing here logs tool arguments or results: they hold namespaces, keys, owner
@@ -46,11 +53,13 @@ from mcp.server.streamable_http_manager import (
 )
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
+from starlette.requests import HTTPConnection
 from starlette.routing import BaseRoute, Route
 
 from leasekeeper._core.secrets import NAMESPACE_PREFIX, OWNER_PREFIX
 from leasekeeper._core.validation import MAX_RESULT_BYTES, check_tree
 from leasekeeper._errors import InternalError, LeaseError
+from leasekeeper._limits import RateLimiter, mint_limiter, take_mint
 from leasekeeper._schemas import DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
 from leasekeeper._service import LeaseService
 from leasekeeper._settings import Settings
@@ -173,7 +182,9 @@ _TOOLS: Final = (
             "leases and read their results, so never show it to users or write it to logs. Do "
             "not mint a new namespace per lease: the same key in another namespace is another "
             "job, so duplicates would go unnoticed. Takes no arguments; returns "
-            "{ok, namespace, entropy_bits}."
+            "{ok, namespace, entropy_bits}.\n"
+            'Tool error "rate_limited": too many namespaces were minted from your address; '
+            "use the namespace you already have, or wait retry_after_seconds."
         ),
         input_schema=_schema({}, []),
         annotations=types.ToolAnnotations(
@@ -342,12 +353,20 @@ def lease_tools() -> list[types.Tool]:
 
 
 async def call_lease_tool(
-    service: LeaseService, name: str, arguments: Mapping[str, Any] | None
+    service: LeaseService,
+    name: str,
+    arguments: Mapping[str, Any] | None,
+    *,
+    mint_limit: RateLimiter | None = None,
+    scope: Mapping[str, Any] | None = None,
 ) -> types.CallToolResult:
     """Run tool ``name`` on ``service``; every outcome but an unknown tool is a result.
 
     This is the one place where MCP maps outcomes: a reply is a result, a
-    ``LeaseError`` is an error result with the same body as over HTTP.
+    ``LeaseError`` is an error result with the same body as over HTTP. With
+    ``mint_limit``, a mint first takes a token for the client address of the
+    ASGI ``scope`` of the HTTP request (``"unknown"`` without one), as the HTTP
+    route does; a refusal is the ``rate_limited`` error.
     """
     operation = TOOL_OPERATIONS.get(name)
     if operation is None:
@@ -355,6 +374,8 @@ async def call_lease_tool(
         raise MCPError(code=types.INVALID_PARAMS, message=f"Unknown tool: {name}")
     data = dict(arguments or {})
     try:
+        if operation == "namespace" and mint_limit is not None:
+            take_mint(mint_limit, scope or {})
         # HTTP checks depth and lone surrogates while parsing the body; JSON-RPC
         # parsers do not, so the same check runs here.
         check_tree(data)
@@ -379,11 +400,15 @@ def _result(body: dict[str, Any], text: bytes, *, is_error: bool) -> types.CallT
     )
 
 
-def create_mcp_server(service: LeaseService) -> Server[Any]:
+def create_mcp_server(
+    service: LeaseService, *, mint_limit: RateLimiter | None = None
+) -> Server[Any]:
     """An MCP server exposing the five lease tools over ``service``.
 
     The server does not open or close the service: its owner does (the HTTP
-    app's lifespan, or ``serve_stdio``).
+    app's lifespan, or ``serve_stdio``). With ``mint_limit`` (streamable HTTP),
+    ``create_lease_namespace`` takes from it per HTTP client address; without
+    (stdio), minting is not limited.
     """
 
     async def list_tools(
@@ -394,7 +419,12 @@ def create_mcp_server(service: LeaseService) -> Server[Any]:
     async def call_tool(
         ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
     ) -> types.CallToolResult:
-        return await call_lease_tool(service, params.name, params.arguments)
+        # The SDK's streamable HTTP transports hand over the POST's Starlette request.
+        request = ctx.request
+        scope = request.scope if isinstance(request, HTTPConnection) else None
+        return await call_lease_tool(
+            service, params.name, params.arguments, mint_limit=mint_limit, scope=scope
+        )
 
     def input_schema(name: str) -> Mapping[str, Any] | None:
         tool = _TOOLS_BY_NAME.get(name)
@@ -437,7 +467,11 @@ class StreamableHttpMount:
 
 
 def streamable_http_mount(
-    service: LeaseService, settings: Settings | None = None, *, path: str = MCP_PATH
+    service: LeaseService,
+    settings: Settings | None = None,
+    *,
+    path: str = MCP_PATH,
+    mint_limit: RateLimiter | None = None,
 ) -> StreamableHttpMount:
     """Streamable HTTP at ``path``, for ``create_app(extra_routes=..., lifespan_hooks=...)``.
 
@@ -446,8 +480,13 @@ def streamable_http_mount(
     are capped at ``settings.max_body_bytes`` like the API's. When the server
     listens on a loopback address, Host and Origin are checked against loopback
     names, as the SDK does by default, against DNS rebinding from a browser.
+    Mints take from ``mint_limit`` per client address: pass the limiter the HTTP
+    app has (``create_app(mint_limit=...)``) so that the two share one budget; by
+    default the mount makes its own from ``settings``.
     """
     settings = settings or Settings()
+    if mint_limit is None:
+        mint_limit = mint_limiter(settings)
     security = None
     if settings.host in _LOOPBACK:
         names = ["127.0.0.1", "localhost", "[::1]"]  # as in a Host header
@@ -458,7 +497,7 @@ def streamable_http_mount(
             allowed_origins=[f"{scheme}://{host}" for scheme in _SCHEMES for host in hosts],
         )
     manager = StreamableHTTPSessionManager(
-        app=create_mcp_server(service),
+        app=create_mcp_server(service, mint_limit=mint_limit),
         json_response=True,
         stateless=True,
         security_settings=security,
