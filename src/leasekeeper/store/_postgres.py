@@ -217,6 +217,16 @@ class PostgresStore:
     schema, creating it if needed; otherwise they go where the connection's
     ``search_path`` points (for example ``?options=-csearch_path%3Dname`` in the
     URL). ``application_name`` names the connections in ``pg_stat_activity``.
+
+    ``max_size`` is the most connections the store opens (its pool keeps at least
+    ``min_size``, at most ``max_size``; ``LEASEKEEPER_POSTGRES_POOL_SIZE``). Up to
+    ``max_batch`` queued commands are decided in one transaction, and up to
+    ``max_batches`` such transactions run at once, each on a connection of its own:
+    never more than ``max_size``, since a batch without a connection would only hold
+    its commands back from the next one. ``purge`` and ``ping`` take a pooled
+    connection for one statement each. No call ever holds one connection while
+    waiting for another (a cut-off COMMIT is looked for after its connection went
+    back), so even a pool of one serves everything, in turn.
     """
 
     def __init__(
@@ -234,13 +244,15 @@ class PostgresStore:
     ) -> None:
         if timeout_seconds <= 0:
             raise ValueError("timeout_seconds must be positive")
+        if max_size < 1:
+            raise ValueError("the pool size must be at least 1")
         if schema is not None and not _SCHEMA_NAME.match(schema):
             raise ValueError("schema must be a lower-case identifier (a-z, 0-9, underscore)")
         self.schema = schema
         self._clock = clock
         self._timeout = timeout_seconds
         self._conninfo = _conninfo(url, timeout_seconds, schema, application_name)
-        self._min_size = min_size
+        self._min_size = min(min_size, max_size)
         self._max_size = max_size
         self._pool: AsyncConnectionPool[Connection] | None = None
         self._open_lock = asyncio.Lock()
