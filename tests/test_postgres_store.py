@@ -266,6 +266,58 @@ def test_without_a_clock_the_database_clock_decides(make_store: StoreFactory, ur
     asyncio.run(main())
 
 
+def test_without_a_clock_the_live_count_reads_the_database_clock(make_store: StoreFactory) -> None:
+    """With no injected clock, ``count_live`` counts at the database server's clock too."""
+
+    async def main() -> None:
+        async with opened(make_store("postgres", clock=None)) as store:
+            await store.apply(acquire(ttl_ms=60_000))
+            await store.apply(acquire(ttl_ms=300))
+            assert await store.count_live() == 2
+            await asyncio.sleep(0.4)  # real time: the short lease runs out
+            assert await store.count_live() == 1
+
+    asyncio.run(main())
+
+
+def test_the_live_count_and_decisions_do_not_wait_for_each_other(
+    make_store: StoreFactory, url: str
+) -> None:
+    """The count's query takes no lock a decision needs, and needs none a decision holds:
+    it answers while a transaction holds every row for update, and decisions and
+    cleanup go on while a transaction that ran the count is still open."""
+    from leasekeeper.store._postgres import _COUNT_LIVE_AT_DB_NOW
+
+    store = make_store("postgres", clock=None, timeout_seconds=2)
+    key, owner = new_id(), new_id()
+
+    async def main() -> None:
+        async with opened(store):
+            await store.apply(acquire(key, owner))
+            await store.apply(acquire())
+            table = f"{store.schema}.leasekeeper_leases"  # type: ignore[attr-defined]
+            with admin(url) as other:
+                other.execute("BEGIN")
+                other.execute(f"SELECT key_id FROM {table} FOR UPDATE")  # as a batch does
+                started = time.monotonic()
+                assert await store.count_live() == 2
+                assert time.monotonic() - started < 1
+                other.execute("ROLLBACK")
+                other.execute("BEGIN")
+                other.execute(f"SET LOCAL search_path = {store.schema}")  # type: ignore[attr-defined]
+                counted = other.execute(_COUNT_LIVE_AT_DB_NOW).fetchone()
+                assert counted is not None and counted[0] == 2
+                started = time.monotonic()
+                renewed = await store.apply(Renew(key, owner, TTL))
+                assert isinstance(renewed.outcome, Renewed)
+                assert isinstance((await store.apply(acquire())).outcome, Granted)
+                await store.purge(100)
+                assert time.monotonic() - started < 1
+                other.execute("ROLLBACK")
+
+    asyncio.run(main())
+
+
 # -- failures --------------------------------------------------------------------------------
 
 
@@ -361,7 +413,7 @@ def test_a_small_pool_serves_concurrent_requests_within_its_size(
     tmp_path: Path, pool_size: int
 ) -> None:
     """With LEASEKEEPER_POSTGRES_POOL_SIZE 1 or 2, 50 concurrent acquires on 5 keys (with
-    readiness checks and cleanups among them) grant each key once, nothing waits for a
+    readiness checks, cleanups and live counts among them) grant each key once, nothing waits for a
     connection that never comes, and the store never has more connections than that."""
     with store_target("postgres", tmp_path) as target:
         assert target.admin_url is not None and target.schema is not None
@@ -401,8 +453,10 @@ def test_a_small_pool_serves_concurrent_requests_within_its_size(
                     ]
                     chores = [later(store.ping) for _ in range(5)]
                     chores += [later(functools.partial(store.purge, 10)) for _ in range(5)]
+                    chores += [later(store.count_live) for _ in range(5)]  # type: ignore[attr-defined]
                     decisions = await asyncio.gather(*acquires)
                     await asyncio.gather(*chores)
+                    assert await store.count_live() == 5  # type: ignore[attr-defined]
                     stats = store._pool.get_stats()  # type: ignore[attr-defined]
             finally:
                 stop.set()
@@ -438,7 +492,7 @@ def test_a_blocked_table_answers_unavailable_within_the_timeout(
                     f"LOCK TABLE {store.schema}.leasekeeper_leases "  # type: ignore[attr-defined]
                     "IN ACCESS EXCLUSIVE MODE"
                 )
-                for call in (store.apply(Renew(key, owner, TTL)), store.ping()):
+                for call in (store.apply(Renew(key, owner, TTL)), store.ping(), store.count_live()):
                     started = time.monotonic()
                     with pytest.raises(ServiceUnavailable) as caught:
                         await call
@@ -449,6 +503,7 @@ def test_a_blocked_table_answers_unavailable_within_the_timeout(
             renewed = await store.apply(Renew(key, owner, TTL))
             assert isinstance(renewed.outcome, Renewed)
             await store.ping()
+            assert await store.count_live() == 1
 
     asyncio.run(main())
     logged = " ".join(record.getMessage() for record in caplog.records)
@@ -662,6 +717,8 @@ def test_the_store_refuses_calls_when_not_open(url: str) -> None:
     store = open_store(url)
     with pytest.raises(ServiceUnavailable):
         asyncio.run(store.apply(acquire()))
+    with pytest.raises(ServiceUnavailable):
+        asyncio.run(store.count_live())  # type: ignore[attr-defined]
 
 
 # The extended-protocol Parse message of our COMMIT (the BEGIN's "READ COMMITTED" differs).
