@@ -32,7 +32,7 @@ from leasekeeper._core.model import (
     Renewed,
 )
 from leasekeeper._core.validation import encode_result
-from leasekeeper.store import Store
+from leasekeeper.store import LiveCounter, Store
 from tests.conftest import STORE_KINDS, StoreFactory
 
 T = TypeVar("T")
@@ -412,6 +412,45 @@ def test_records_survive_a_restart(
             assert busy.outcome.record == live.record
 
     asyncio.run(main())
+
+
+# -- the live-lease count --------------------------------------------------------------------
+
+
+def test_count_live_counts_the_leases_held_at_the_stores_now(
+    on_store: Any, clock: FakeClock
+) -> None:
+    """``count_live`` (the leasekeeper_live_leases gauge) counts the leases an owner holds
+    now: not released, completed or expired ones, nor one at its very expiry."""
+
+    async def body(store: Store) -> None:
+        assert isinstance(store, LiveCounter)
+        assert await store.count_live() == 0
+        owners = {new_id(): new_id() for _ in range(6)}
+        for key, owner in owners.items():
+            await grant(store, key, owner)
+        short = new_id()
+        await grant(store, short, new_id(), ttl_ms=1000)
+        assert await store.count_live() == 7
+        keys = list(owners)
+        await store.apply(Release(keys[0], owners[keys[0]]))
+        await store.apply(Complete(keys[1], owners[keys[1]], "null"))
+        assert await store.count_live() == 5
+        clock.advance(ms=999)
+        assert await store.count_live() == 5
+        clock.advance(ms=1)  # exactly at its expiry: no longer held
+        assert await store.count_live() == 4
+        renewed = await store.apply(Renew(keys[2], owners[keys[2]], 2 * TTL))
+        assert isinstance(renewed.outcome, Renewed)
+        clock.advance(TTL / 1000)  # the other leases run out; the renewed one is held
+        assert await store.count_live() == 1
+        await grant(store, short, new_id())  # an expired lease, taken by a new owner
+        assert await store.count_live() == 2
+        clock.advance(LIFECYCLE / 1000)
+        assert await purge_all(store) == 7
+        assert await store.count_live() == 0
+
+    on_store(body)
 
 
 # -- results ---------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import pytest
 from leasekeeper import FakeClock
 from leasekeeper._logging import JsonFormatter
 from leasekeeper.store import MemoryStore
-from tests.conftest import Api, ApiFactory
+from tests.conftest import STORE_KINDS, Api, ApiFactory
 
 KEY = "invoice:2026-09-05"
 
@@ -123,7 +123,7 @@ def test_store_failures_are_counted(api: Api, ns: str) -> None:
     assert metric(text, "leasekeeper_store_failures_total", operation="acquire") == 1
 
 
-@pytest.mark.parametrize("store_kind", ["memory", "sqlite"])
+@pytest.mark.parametrize("store_kind", STORE_KINDS)
 def test_live_leases_are_counted_by_the_store(
     make_api: ApiFactory, clock: FakeClock, store_kind: str
 ) -> None:

@@ -9,23 +9,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import random
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
 from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 import pytest
 
 from leasekeeper import ServiceUnavailable
-from leasekeeper._core.model import Acquire, Complete, CompletedOutcome, Granted, Renew, Renewed
+from leasekeeper._core.model import (
+    Acquire,
+    Complete,
+    CompletedOutcome,
+    Granted,
+    Held,
+    Renew,
+    Renewed,
+)
 from leasekeeper.store import Store, StoreURLError, open_store
+from tests._stores import store_target
 from tests.conftest import StoreFactory, new_schema_name, postgres_url
 
 psycopg = pytest.importorskip("psycopg")
 pytestmark = pytest.mark.postgres
+
+T = TypeVar("T")
 
 TTL = 60_000
 LIFECYCLE = 86_400_000
@@ -96,6 +110,29 @@ def test_open_store_builds_a_postgres_store_for_both_schemes(url: str) -> None:
 
     assert isinstance(open_store("postgresql://u@db.example/leases"), PostgresStore)
     assert isinstance(open_store("POSTGRES://u@db.example/leases"), PostgresStore)
+
+
+def test_the_pool_size_setting_reaches_the_store() -> None:
+    """LEASEKEEPER_POSTGRES_POOL_SIZE bounds the pool, and the concurrent batches with it;
+    its default is the store's own."""
+    import inspect
+
+    from leasekeeper import Settings, cli
+    from leasekeeper.store._postgres import PostgresStore
+
+    default = inspect.signature(PostgresStore).parameters["max_size"].default
+    assert Settings().postgres_pool_size == default
+    for size, batches in ((1, 1), (2, 2), (3, 3), (64, 4)):
+        env = {
+            "LEASEKEEPER_STORE": "postgres://u@db.example/leases",
+            "LEASEKEEPER_POSTGRES_POOL_SIZE": str(size),
+        }
+        store = cli._service(Settings.from_env(env)).store
+        assert isinstance(store, PostgresStore)
+        assert (store._max_size, store._min_size, store._max_batches) == (size, 1, batches)
+    assert open_store("postgresql://u@db.example/leases")._max_size == default  # type: ignore[attr-defined]
+    with pytest.raises(StoreURLError, match="pool size"):
+        open_store("postgresql://u@db.example/leases", pool_size=0)
 
 
 def test_a_malformed_url_is_refused_without_repeating_it() -> None:
@@ -229,6 +266,58 @@ def test_without_a_clock_the_database_clock_decides(make_store: StoreFactory, ur
     asyncio.run(main())
 
 
+def test_without_a_clock_the_live_count_reads_the_database_clock(make_store: StoreFactory) -> None:
+    """With no injected clock, ``count_live`` counts at the database server's clock too."""
+
+    async def main() -> None:
+        async with opened(make_store("postgres", clock=None)) as store:
+            await store.apply(acquire(ttl_ms=60_000))
+            await store.apply(acquire(ttl_ms=300))
+            assert await store.count_live() == 2
+            await asyncio.sleep(0.4)  # real time: the short lease runs out
+            assert await store.count_live() == 1
+
+    asyncio.run(main())
+
+
+def test_the_live_count_and_decisions_do_not_wait_for_each_other(
+    make_store: StoreFactory, url: str
+) -> None:
+    """The count's query takes no lock a decision needs, and needs none a decision holds:
+    it answers while a transaction holds every row for update, and decisions and
+    cleanup go on while a transaction that ran the count is still open."""
+    from leasekeeper.store._postgres import _COUNT_LIVE_AT_DB_NOW
+
+    store = make_store("postgres", clock=None, timeout_seconds=2)
+    key, owner = new_id(), new_id()
+
+    async def main() -> None:
+        async with opened(store):
+            await store.apply(acquire(key, owner))
+            await store.apply(acquire())
+            table = f"{store.schema}.leasekeeper_leases"  # type: ignore[attr-defined]
+            with admin(url) as other:
+                other.execute("BEGIN")
+                other.execute(f"SELECT key_id FROM {table} FOR UPDATE")  # as a batch does
+                started = time.monotonic()
+                assert await store.count_live() == 2
+                assert time.monotonic() - started < 1
+                other.execute("ROLLBACK")
+                other.execute("BEGIN")
+                other.execute(f"SET LOCAL search_path = {store.schema}")  # type: ignore[attr-defined]
+                counted = other.execute(_COUNT_LIVE_AT_DB_NOW).fetchone()
+                assert counted is not None and counted[0] == 2
+                started = time.monotonic()
+                renewed = await store.apply(Renew(key, owner, TTL))
+                assert isinstance(renewed.outcome, Renewed)
+                assert isinstance((await store.apply(acquire())).outcome, Granted)
+                await store.purge(100)
+                assert time.monotonic() - started < 1
+                other.execute("ROLLBACK")
+
+    asyncio.run(main())
+
+
 # -- failures --------------------------------------------------------------------------------
 
 
@@ -319,6 +408,73 @@ def test_killed_connections_are_replaced_without_failing_requests(
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("pool_size", [1, 2])
+def test_a_small_pool_serves_concurrent_requests_within_its_size(
+    tmp_path: Path, pool_size: int
+) -> None:
+    """With LEASEKEEPER_POSTGRES_POOL_SIZE 1 or 2, 50 concurrent acquires on 5 keys (with
+    readiness checks, cleanups and live counts among them) grant each key once, nothing waits for a
+    connection that never comes, and the store never has more connections than that."""
+    with store_target("postgres", tmp_path) as target:
+        assert target.admin_url is not None and target.schema is not None
+        store = open_store(target.url, pool_size=pool_size)
+        seen: list[int] = []
+
+        async def count_connections(stop: asyncio.Event) -> None:
+            async with await psycopg.AsyncConnection.connect(
+                target.admin_url, autocommit=True
+            ) as conn:
+                while not stop.is_set():
+                    cursor = await conn.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+                        (target.schema,),
+                    )
+                    row = await cursor.fetchone()
+                    assert row is not None
+                    seen.append(int(row[0]))
+                    pool = getattr(store, "_pool", None)
+                    if pool is not None:
+                        seen.append(pool.get_stats()["pool_size"])
+                    await asyncio.sleep(0.002)
+
+        async def later(call: Callable[[], Awaitable[T]]) -> T:
+            await asyncio.sleep(random.uniform(0, 0.05))
+            return await call()
+
+        async def main() -> None:
+            stop = asyncio.Event()
+            counting = asyncio.create_task(count_connections(stop))
+            try:
+                async with opened(store):
+                    keys = [new_id() for _ in range(5)]
+                    acquires = [
+                        later(functools.partial(store.apply, acquire(keys[i % 5])))
+                        for i in range(50)
+                    ]
+                    chores = [later(store.ping) for _ in range(5)]
+                    chores += [later(functools.partial(store.purge, 10)) for _ in range(5)]
+                    chores += [later(store.count_live) for _ in range(5)]  # type: ignore[attr-defined]
+                    decisions = await asyncio.gather(*acquires)
+                    await asyncio.gather(*chores)
+                    assert await store.count_live() == 5  # type: ignore[attr-defined]
+                    stats = store._pool.get_stats()  # type: ignore[attr-defined]
+            finally:
+                stop.set()
+                await counting
+            grants = [d.outcome for d in decisions if isinstance(d.outcome, Granted)]
+            held = [d.outcome for d in decisions if isinstance(d.outcome, Held)]
+            assert len(grants) == 5 and len(held) == 45
+            assert {g.record.key_id for g in grants} == set(keys)
+            fences = {g.record.key_id: g.record.fencing_token for g in grants}
+            assert all(h.record.fencing_token == fences[h.record.key_id] for h in held)
+            assert stats["pool_max"] == pool_size
+            assert stats.get("connections_num", 0) <= pool_size
+
+        asyncio.run(main())
+        assert seen and max(seen) <= pool_size, max(seen)
+        assert max(seen) >= 1
+
+
 def test_a_blocked_table_answers_unavailable_within_the_timeout(
     make_store: StoreFactory, url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -336,7 +492,7 @@ def test_a_blocked_table_answers_unavailable_within_the_timeout(
                     f"LOCK TABLE {store.schema}.leasekeeper_leases "  # type: ignore[attr-defined]
                     "IN ACCESS EXCLUSIVE MODE"
                 )
-                for call in (store.apply(Renew(key, owner, TTL)), store.ping()):
+                for call in (store.apply(Renew(key, owner, TTL)), store.ping(), store.count_live()):
                     started = time.monotonic()
                     with pytest.raises(ServiceUnavailable) as caught:
                         await call
@@ -347,6 +503,7 @@ def test_a_blocked_table_answers_unavailable_within_the_timeout(
             renewed = await store.apply(Renew(key, owner, TTL))
             assert isinstance(renewed.outcome, Renewed)
             await store.ping()
+            assert await store.count_live() == 1
 
     asyncio.run(main())
     logged = " ".join(record.getMessage() for record in caplog.records)
@@ -560,6 +717,8 @@ def test_the_store_refuses_calls_when_not_open(url: str) -> None:
     store = open_store(url)
     with pytest.raises(ServiceUnavailable):
         asyncio.run(store.apply(acquire()))
+    with pytest.raises(ServiceUnavailable):
+        asyncio.run(store.count_live())  # type: ignore[attr-defined]
 
 
 # The extended-protocol Parse message of our COMMIT (the BEGIN's "READ COMMITTED" differs).

@@ -20,6 +20,7 @@ def test_defaults_follow_the_spec() -> None:
     assert settings.max_connections == 1000
     assert (settings.namespace_rate, settings.namespace_burst) == (10, 100)
     assert settings.address_rate == 0 and settings.namespace_request_rate == 0
+    assert settings.postgres_pool_size == 10
 
 
 def test_variables_are_read_and_flags_win() -> None:
@@ -30,6 +31,7 @@ def test_variables_are_read_and_flags_win() -> None:
         "LEASEKEEPER_LIFECYCLE_SECONDS": "120",
         "LEASEKEEPER_CLEANUP_INTERVAL_SECONDS": "0.5",
         "LEASEKEEPER_ADDRESS_RATE": "50",
+        "LEASEKEEPER_POSTGRES_POOL_SIZE": " 2 ",
     }
     settings = Settings.from_env(env, port=9100, host=None)
     assert settings.store == "memory://"
@@ -37,6 +39,7 @@ def test_variables_are_read_and_flags_win() -> None:
     assert settings.lifecycle_seconds == 120
     assert settings.cleanup_interval_seconds == 0.5
     assert settings.address_rate == 50.0
+    assert settings.postgres_pool_size == 2
 
 
 @pytest.mark.parametrize(
@@ -48,6 +51,10 @@ def test_variables_are_read_and_flags_win() -> None:
         ("LEASEKEEPER_LIFECYCLE_SECONDS", "0"),
         ("LEASEKEEPER_NAMESPACE_RATE", "-1"),
         ("LEASEKEEPER_LOG_LEVEL", "LOUD"),
+        ("LEASEKEEPER_POSTGRES_POOL_SIZE", "0"),
+        ("LEASEKEEPER_POSTGRES_POOL_SIZE", "-3"),
+        ("LEASEKEEPER_POSTGRES_POOL_SIZE", "2.5"),
+        ("LEASEKEEPER_POSTGRES_POOL_SIZE", "ten"),
     ],
 )
 def test_bad_values_name_the_variable(name: str, value: str) -> None:
@@ -66,6 +73,13 @@ def test_store_by_url_scheme(tmp_path: object) -> None:
     for bad in ("redis://localhost", "sqlite://", "nonsense"):
         with pytest.raises(StoreURLError):
             open_store(bad)
+
+
+def test_stores_without_a_pool_ignore_the_pool_size() -> None:
+    """The pool size is PostgreSQL's; SQLite and memory stores are built the same with it."""
+    assert isinstance(open_store("memory://", pool_size=1), MemoryStore)
+    store = open_store("sqlite:///./x.db", pool_size=1)
+    assert isinstance(store, SqliteStore) and str(store.path) == "x.db"
 
 
 def test_public_api_is_curated() -> None:

@@ -12,6 +12,8 @@ LEASEKEEPER_LIFECYCLE_SECONDS          length of a key's lifecycle  86400
 LEASEKEEPER_CLEANUP_INTERVAL_SECONDS   pause between cleanups       3600
 LEASEKEEPER_CLEANUP_BATCH              records per cleanup batch    200
 LEASEKEEPER_STORE_TIMEOUT_SECONDS      longest wait for the store   5
+LEASEKEEPER_POSTGRES_POOL_SIZE         most connections one         10
+                                       instance opens (PostgreSQL)
 LEASEKEEPER_MAX_BODY_BYTES             request body limit           65536
 LEASEKEEPER_MAX_CONNECTIONS            concurrent connections       1000
 LEASEKEEPER_REQUEST_TIMEOUT_SECONDS    time to send headers, and    10
@@ -57,6 +59,7 @@ class Settings:
     cleanup_interval_seconds: float = 3600.0
     cleanup_batch: int = 200
     store_timeout_seconds: float = 5.0
+    postgres_pool_size: int = 10
     max_body_bytes: int = 65_536
     max_connections: int = 1000
     request_timeout_seconds: float = 10.0
@@ -92,6 +95,7 @@ class Settings:
             "LEASEKEEPER_CLEANUP_INTERVAL_SECONDS": self.cleanup_interval_seconds,
             "LEASEKEEPER_CLEANUP_BATCH": self.cleanup_batch,
             "LEASEKEEPER_STORE_TIMEOUT_SECONDS": self.store_timeout_seconds,
+            "LEASEKEEPER_POSTGRES_POOL_SIZE": self.postgres_pool_size,
             "LEASEKEEPER_MAX_BODY_BYTES": self.max_body_bytes,
             "LEASEKEEPER_MAX_CONNECTIONS": self.max_connections,
             "LEASEKEEPER_REQUEST_TIMEOUT_SECONDS": self.request_timeout_seconds,

@@ -37,7 +37,11 @@ def _settings(**overrides: Any) -> Settings:
 
 def _service(settings: Settings) -> LeaseService:
     try:
-        store = open_store(settings.store, timeout_seconds=settings.store_timeout_seconds)
+        store = open_store(
+            settings.store,
+            timeout_seconds=settings.store_timeout_seconds,
+            pool_size=settings.postgres_pool_size,
+        )
     except StoreURLError as exc:
         raise click.UsageError(f"--store / LEASEKEEPER_STORE: {exc}") from None
     return LeaseService(

@@ -43,11 +43,19 @@ class StoreURLError(ValueError):
     """The store URL names no backend this leasekeeper has, or is malformed."""
 
 
-def open_store(url: str, *, clock: Clock | None = None, timeout_seconds: float = 5.0) -> Store:
+def open_store(
+    url: str,
+    *,
+    clock: Clock | None = None,
+    timeout_seconds: float = 5.0,
+    pool_size: int | None = None,
+) -> Store:
     """The store for ``url``, not yet opened (``await store.open()``).
 
     ``clock`` replaces the store's time source (tests pass a ``FakeClock``);
-    ``timeout_seconds`` bounds how long a request waits for the store.
+    ``timeout_seconds`` bounds how long a request waits for the store;
+    ``pool_size`` is the most connections a PostgreSQL store opens (``None``: its
+    default). SQLite and memory stores have no pool and ignore it.
     """
     scheme = url.partition("://")[0]
     scheme = scheme.lower()
@@ -61,13 +69,15 @@ def open_store(url: str, *, clock: Clock | None = None, timeout_seconds: float =
     if scheme == "memory":
         return MemoryStore(clock)
     if scheme in ("postgresql", "postgres"):
-        return _postgres_store(url, clock, timeout_seconds)
+        return _postgres_store(url, clock, timeout_seconds, pool_size)
     raise StoreURLError(
         "unknown store URL scheme; use sqlite:///path.db, postgresql://… or memory://"
     )
 
 
-def _postgres_store(url: str, clock: Clock | None, timeout_seconds: float) -> Store:
+def _postgres_store(
+    url: str, clock: Clock | None, timeout_seconds: float, pool_size: int | None
+) -> Store:
     # Imported here: psycopg is an optional dependency (``leasekeeper[postgres]``).
     try:
         from leasekeeper.store._postgres import PostgresStore
@@ -79,6 +89,8 @@ def _postgres_store(url: str, clock: Clock | None, timeout_seconds: float) -> St
     # libpq knows the scheme only in lower case.
     url = "postgresql" + url[url.index("://") :]
     try:
-        return PostgresStore(url, clock=clock, timeout_seconds=timeout_seconds)
+        if pool_size is None:
+            return PostgresStore(url, clock=clock, timeout_seconds=timeout_seconds)
+        return PostgresStore(url, clock=clock, timeout_seconds=timeout_seconds, max_size=pool_size)
     except ValueError as exc:
         raise StoreURLError(f"PostgreSQL store: {exc}") from None

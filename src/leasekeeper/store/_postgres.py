@@ -170,6 +170,19 @@ _PURGE_AT: Final = (
     "WHERE absolute_expires_ms <= %s LIMIT %s FOR UPDATE SKIP LOCKED)"
 )
 _PING: Final = "SELECT 1 FROM leasekeeper_leases LIMIT 0"
+# Leases held at the store's now: the same definition as the other stores. A plain
+# SELECT takes no row locks, and its ACCESS SHARE table lock conflicts with none that a
+# write takes, so the scan neither delays a decision nor waits for one. The database
+# clock is read once, in a subquery (an InitPlan): in the WHERE clause itself
+# clock_timestamp() would be evaluated again for every row, and the time would move
+# during the scan.
+_COUNT_LIVE_AT_DB_NOW: Final = (
+    "SELECT count(*) FROM leasekeeper_leases WHERE owner IS NOT NULL AND lease_expires_ms > "
+    "(SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint)"
+)
+_COUNT_LIVE_AT: Final = (
+    "SELECT count(*) FROM leasekeeper_leases WHERE owner IS NOT NULL AND lease_expires_ms > %s"
+)
 
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}\Z")
 # Errors after which the same transaction, run again, may well succeed.
@@ -217,6 +230,16 @@ class PostgresStore:
     schema, creating it if needed; otherwise they go where the connection's
     ``search_path`` points (for example ``?options=-csearch_path%3Dname`` in the
     URL). ``application_name`` names the connections in ``pg_stat_activity``.
+
+    ``max_size`` is the most connections the store opens (its pool keeps at least
+    ``min_size``, at most ``max_size``; ``LEASEKEEPER_POSTGRES_POOL_SIZE``). Up to
+    ``max_batch`` queued commands are decided in one transaction, and up to
+    ``max_batches`` such transactions run at once, each on a connection of its own:
+    never more than ``max_size``, since a batch without a connection would only hold
+    its commands back from the next one. ``purge``, ``ping`` and ``count_live`` take
+    a pooled connection for one statement each. No call ever holds one connection
+    while waiting for another (a cut-off COMMIT is looked for after its connection
+    went back), so even a pool of one serves everything, in turn.
     """
 
     def __init__(
@@ -234,13 +257,15 @@ class PostgresStore:
     ) -> None:
         if timeout_seconds <= 0:
             raise ValueError("timeout_seconds must be positive")
+        if max_size < 1:
+            raise ValueError("the pool size must be at least 1")
         if schema is not None and not _SCHEMA_NAME.match(schema):
             raise ValueError("schema must be a lower-case identifier (a-z, 0-9, underscore)")
         self.schema = schema
         self._clock = clock
         self._timeout = timeout_seconds
         self._conninfo = _conninfo(url, timeout_seconds, schema, application_name)
-        self._min_size = min_size
+        self._min_size = min(min_size, max_size)
         self._max_size = max_size
         self._pool: AsyncConnectionPool[Connection] | None = None
         self._open_lock = asyncio.Lock()
@@ -348,6 +373,23 @@ class PostgresStore:
             await conn.execute(_PING)
 
         await self._run("ping", run)
+
+    async def count_live(self) -> int:
+        """Leases held at the store's now (the ``leasekeeper_live_leases`` gauge).
+
+        One read-only statement on a pooled connection: a scan of the table, so read
+        it every few seconds at most. It holds no lock a decision waits for.
+        """
+
+        async def run(conn: Connection, attempt: _Attempt[int]) -> int:
+            # prepare=False: planned on the table as it is now (see _decide_batch).
+            if self._clock is None:
+                cursor = await conn.execute(_COUNT_LIVE_AT_DB_NOW, prepare=False)
+            else:
+                cursor = await conn.execute(_COUNT_LIVE_AT, (self._clock.now_ms(),), prepare=False)
+            return _first_int(await cursor.fetchone())
+
+        return await self._run("count_live", run)
 
     # -- batches of decisions --------------------------------------------------------------
 
