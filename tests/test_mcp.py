@@ -583,6 +583,145 @@ def test_http_and_mcp_mint_from_one_bucket(monotonic: FakeMonotonic, era: str, l
         assert random.draws == 2
 
 
+def lease_over_http(client: TestClient, operation: str, **data: Any) -> httpx.Response:
+    path = "/services/v1/lease" if operation == "acquire" else f"/services/v1/lease/{operation}"
+    return client.post(path, json=data)
+
+
+@pytest.mark.parametrize("era", ERAS)
+def test_mcp_calls_past_the_address_burst_are_rate_limited_as_over_http(
+    monotonic: FakeMonotonic, era: str
+) -> None:
+    """LEASEKEEPER_ADDRESS_RATE / _BURST hold for every tool call over /mcp: past the burst
+    a call is a rate_limited tool error with HTTP's 429 body, and does nothing."""
+    random = CountingRandom()
+    limits = {"LEASEKEEPER_ADDRESS_BURST": "4", "LEASEKEEPER_ADDRESS_RATE": "0.5"}
+    with served(monotonic, random, limits) as client:
+        namespace = ok(call_over_mcp(client, era, "create_lease_namespace", {}))["namespace"]
+        lease = {"namespace": namespace, "key": "job"}
+        token = ok(call_over_mcp(client, era, "acquire_lease", lease))["owner_token"]
+        owned = {**lease, "owner_token": token}
+        ok(call_over_mcp(client, era, "renew_lease", owned))
+        ok(call_over_mcp(client, era, "release_lease", owned))
+        # The burst of 4 is spent: every tool is refused, a mint included.
+        draws = random.draws
+        other = {"namespace": namespace, "key": "other"}
+        for name, arguments in [
+            ("acquire_lease", other),
+            ("renew_lease", owned),
+            ("complete_lease", {**owned, "result": 1}),
+            ("create_lease_namespace", {}),
+        ]:
+            reply = refused(call_over_mcp(client, era, name, arguments), "rate_limited")
+            assert "requests from this address" in reply["error"]
+        assert random.draws == draws  # no namespace minted, no owner token issued
+        over_http = lease_over_http(client, "acquire", **other)
+        assert over_http.status_code == 429
+        assert reply == over_http.json()
+        assert reply["retry_after_seconds"] == 2  # one token at 0.5 per second
+        monotonic.advance(2)
+        # The refused acquire took nothing: the key is free.
+        assert ok(call_over_mcp(client, era, "acquire_lease", other))["status"] == "held"
+
+
+@pytest.mark.parametrize("era", ERAS)
+@pytest.mark.parametrize("last", ["http", "mcp"])
+def test_http_and_mcp_requests_from_one_address_share_one_bucket(
+    monotonic: FakeMonotonic, era: str, last: str
+) -> None:
+    """With a per-address burst of 2, one HTTP request and one MCP tool call from one
+    address spend it: the next request is refused, whichever way it comes."""
+    limits = {"LEASEKEEPER_ADDRESS_BURST": "2", "LEASEKEEPER_ADDRESS_RATE": "1"}
+    with served(monotonic, CountingRandom(), limits) as client:
+        lease = {"key": secrets.token_urlsafe(32)}
+        assert lease_over_http(client, "acquire", **lease).status_code == 201
+        refused(call_over_mcp(client, era, "acquire_lease", lease), "held")
+        if last == "http":
+            third = lease_over_http(client, "acquire", **lease)
+            assert third.status_code == 429
+            assert third.json()["status"] == "rate_limited"
+        else:
+            refused(call_over_mcp(client, era, "acquire_lease", lease), "rate_limited")
+
+
+@pytest.mark.parametrize("era", ERAS)
+def test_mcp_calls_for_a_hot_namespace_are_rate_limited_as_over_http(
+    monotonic: FakeMonotonic, era: str
+) -> None:
+    """LEASEKEEPER_NAMESPACE_REQUEST_RATE / _BURST hold over /mcp: past the burst, acquire
+    and renew for that namespace are rate_limited tool errors with HTTP's 429 body, while
+    another namespace is still served."""
+    limits = {
+        "LEASEKEEPER_NAMESPACE_REQUEST_BURST": "3",
+        "LEASEKEEPER_NAMESPACE_REQUEST_RATE": "0.5",
+    }
+    with served(monotonic, CountingRandom(), limits) as client:
+        hot, cold = (
+            ok(call_over_mcp(client, era, "create_lease_namespace", {}))["namespace"]
+            for _ in range(2)
+        )
+        lease = {"namespace": hot, "key": "job"}
+        token = ok(call_over_mcp(client, era, "acquire_lease", lease))["owner_token"]
+        owned = {**lease, "owner_token": token}
+        ok(call_over_mcp(client, era, "renew_lease", owned))
+        ok(call_over_mcp(client, era, "renew_lease", owned))
+        refused(call_over_mcp(client, era, "renew_lease", owned), "rate_limited")
+        other = {"namespace": hot, "key": "other"}
+        reply = refused(call_over_mcp(client, era, "acquire_lease", other), "rate_limited")
+        assert "requests for this namespace" in reply["error"]
+        # Another namespace, from the same address, is served.
+        ok(call_over_mcp(client, era, "acquire_lease", {"namespace": cold, "key": "job"}))
+        over_http = lease_over_http(client, "acquire", **other)
+        assert over_http.status_code == 429
+        assert reply == over_http.json()
+        assert reply["retry_after_seconds"] == 2  # one token at 0.5 per second
+        monotonic.advance(2)
+        # The refused acquire took nothing: the key is free.
+        assert ok(call_over_mcp(client, era, "acquire_lease", other))["status"] == "held"
+
+
+@pytest.mark.parametrize("era", ERAS)
+@pytest.mark.parametrize("last", ["http", "mcp"])
+def test_http_and_mcp_requests_for_one_namespace_share_one_bucket(
+    monotonic: FakeMonotonic, era: str, last: str
+) -> None:
+    """With a per-namespace burst of 2, one HTTP request and one MCP tool call for one
+    namespace spend it: the next request for it is refused, whichever way it comes, and
+    another namespace is served."""
+    limits = {"LEASEKEEPER_NAMESPACE_REQUEST_BURST": "2", "LEASEKEEPER_NAMESPACE_REQUEST_RATE": "1"}
+    with served(monotonic, CountingRandom(), limits) as client:
+        hot, cold = (client.post("/services/v1/lease/namespace").json()["namespace"] for _ in "ab")
+        lease = {"namespace": hot, "key": "job"}
+        token = lease_over_http(client, "acquire", **lease).json()["owner_token"]
+        owned = {**lease, "owner_token": token}
+        ok(call_over_mcp(client, era, "renew_lease", owned))
+        if last == "http":
+            third = lease_over_http(client, "renew", **owned)
+            assert third.status_code == 429
+            assert third.json()["status"] == "rate_limited"
+        else:
+            refused(call_over_mcp(client, era, "renew_lease", owned), "rate_limited")
+        ok(call_over_mcp(client, era, "acquire_lease", {"namespace": cold, "key": "job"}))
+        assert lease_over_http(client, "acquire", namespace=cold, key="j2").status_code == 201
+
+
+def test_mcp_calls_are_not_rate_limited_by_default(monotonic: FakeMonotonic) -> None:
+    """With the default settings (per-address and per-namespace limits off), more tool calls
+    from one address for one namespace than either default burst are all served. (One era:
+    a thousand calls take seconds, and both eras reach the limits the same way, above.)"""
+    era = _MODERN
+    settings = Settings()
+    assert settings.address_rate == 0 and settings.namespace_request_rate == 0
+    calls = max(settings.address_burst, settings.namespace_request_burst) + 50
+    with served(monotonic, CountingRandom(), {}) as client:
+        namespace = ok(call_over_mcp(client, era, "create_lease_namespace", {}))["namespace"]
+        lease = {"namespace": namespace, "key": "job"}
+        token = ok(call_over_mcp(client, era, "acquire_lease", lease))["owner_token"]
+        owned = {**lease, "owner_token": token}
+        for _ in range(calls):
+            ok(call_over_mcp(client, era, "renew_lease", owned))
+
+
 @pytest.mark.anyio
 async def test_the_stdio_server_does_not_limit_minting(service: LeaseService) -> None:
     """The server that ``leasekeeper mcp`` serves over stdio has no mint limit (its peer is

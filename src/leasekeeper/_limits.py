@@ -4,23 +4,29 @@ Time comes from an injected monotonic function, so tests move it by hand.
 Buckets are forgotten least-recently-used first beyond ``max_keys``: a full
 bucket and a forgotten one behave the same, so forgetting only ever helps a client.
 
-Namespace minting is limited per client address wherever a client can mint over
-the network: the HTTP route and the MCP tool at ``/mcp`` both call ``take_mint``
-with the one limiter that ``leasekeeper serve`` makes (``mint_limiter``), so
-mints from one address add up across the two.
+A server's limits are one ``Limits``, made once from settings
+(``Limits.from_settings``): per client address (requests, off by default), per
+address for namespace mints, and per namespace (requests, off by default).
+``leasekeeper serve`` hands the one ``Limits`` to the HTTP routes and to the MCP
+tools at ``/mcp``, and both apply it with ``Limits.enforce``, so requests from
+one address, or for one namespace, spend one budget whichever way they come.
+A namespace is a secret: its bucket is keyed by its SHA-256 digest, and the
+limits log nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from leasekeeper._errors import RateLimited
 from leasekeeper._settings import Settings
 
-__all__ = ["RateLimiter", "client_address", "mint_limiter", "take_mint"]
+__all__ = ["Limits", "RateLimiter", "client_address", "namespace_digest"]
 
 
 class RateLimiter:
@@ -78,16 +84,64 @@ def client_address(scope: Mapping[str, Any]) -> str:
     return str(client[0]) if client else "unknown"
 
 
-def mint_limiter(
-    settings: Settings, *, monotonic: Callable[[], float] = time.monotonic
-) -> RateLimiter:
-    """The namespace-mint limiter (``LEASEKEEPER_NAMESPACE_RATE`` / ``_BURST``).
+def namespace_digest(namespace: str) -> bytes:
+    """The key of per-namespace limits: SHA-256 of the namespace (UTF-8, "replace")."""
+    return hashlib.sha256(namespace.encode("utf-8", "replace")).digest()
 
-    Make one per server and hand it to every adapter that mints over the network.
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The rate limits of one server; make one and hand it to every network adapter.
+
+    ``address``: requests per client address (``LEASEKEEPER_ADDRESS_RATE`` /
+    ``_BURST``, off by default); ``mint``: namespace mints per client address
+    (``LEASEKEEPER_NAMESPACE_RATE`` / ``_BURST``); ``namespace``: requests per
+    namespace (``LEASEKEEPER_NAMESPACE_REQUEST_RATE`` / ``_BURST``, off by default).
     """
-    return RateLimiter(settings.namespace_rate, settings.namespace_burst, monotonic=monotonic)
 
+    address: RateLimiter
+    mint: RateLimiter
+    namespace: RateLimiter
 
-def take_mint(limiter: RateLimiter, scope: Mapping[str, Any]) -> None:
-    """Spend one mint of the ASGI ``scope``'s client address, or raise ``RateLimited``."""
-    limiter.enforce(client_address(scope), "namespaces minted from this address")
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, *, monotonic: Callable[[], float] = time.monotonic
+    ) -> Limits:
+        """The three limiters ``settings`` describe, all on ``monotonic``."""
+        address = RateLimiter(settings.address_rate, settings.address_burst, monotonic=monotonic)
+        mint = RateLimiter(settings.namespace_rate, settings.namespace_burst, monotonic=monotonic)
+        namespace = RateLimiter(
+            settings.namespace_request_rate, settings.namespace_request_burst, monotonic=monotonic
+        )
+        return cls(address=address, mint=mint, namespace=namespace)
+
+    def enforce_address(self, scope: Mapping[str, Any]) -> None:
+        """Spend one request of the ASGI ``scope``'s client address, when that limit is on."""
+        if self.address.enabled:
+            self.address.enforce(client_address(scope), "requests from this address")
+
+    def enforce(
+        self,
+        scope: Mapping[str, Any],
+        operation: str,
+        data: Mapping[str, Any],
+        *,
+        address: bool = True,
+    ) -> None:
+        """Spend what one request costs, or raise ``RateLimited`` at the first refusal.
+
+        The rules every adapter shares, in order: one request of the client
+        address of the ASGI ``scope`` (unless ``address`` is false because the
+        caller took it already, as the HTTP route does before reading the body);
+        one mint of that address when ``operation`` is ``"namespace"``; one request
+        of the namespace when ``data`` carries a ``namespace`` string. A limit that
+        is off costs nothing.
+        """
+        if address:
+            self.enforce_address(scope)
+        if operation == "namespace":
+            self.mint.enforce(client_address(scope), "namespaces minted from this address")
+        if self.namespace.enabled:
+            namespace = data.get("namespace")
+            if isinstance(namespace, str):
+                self.namespace.enforce(namespace_digest(namespace), "requests for this namespace")

@@ -105,16 +105,16 @@ def serve_app(
 ) -> LeaseApp:
     """The application ``serve`` runs: the HTTP API with MCP at /mcp beside it.
 
-    One namespace-mint limiter serves both, so that mints from one client address
-    over HTTP and over MCP add up. ``monotonic`` drives the rate limits (tests
-    pass a fake).
+    One set of rate limits serves both, so that requests (and mints) from one
+    client address, or for one namespace, over HTTP and over MCP add up.
+    ``monotonic`` drives the rate limits (tests pass a fake).
     """
-    from leasekeeper._limits import mint_limiter
+    from leasekeeper._limits import Limits
     from leasekeeper.http import create_app
     from leasekeeper.mcp import streamable_http_mount
 
-    mint_limit = mint_limiter(settings, monotonic=monotonic)
-    mcp = streamable_http_mount(service, settings, mint_limit=mint_limit)
+    limits = Limits.from_settings(settings, monotonic=monotonic)
+    mcp = streamable_http_mount(service, settings, limits=limits)
     return create_app(
         service,
         settings,
@@ -122,7 +122,7 @@ def serve_app(
         run_cleanup=run_cleanup,
         extra_routes=mcp.routes,
         lifespan_hooks=mcp.lifespan_hooks,
-        mint_limit=mint_limit,
+        limits=limits,
     )
 
 

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import random
 import time
 import types
 from collections.abc import AsyncIterator, Callable, Generator
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -36,7 +34,7 @@ from leasekeeper._errors import (
     RequestTimeout,
     ServiceUnavailable,
 )
-from leasekeeper._limits import RateLimiter, client_address, mint_limiter, take_mint
+from leasekeeper._limits import Limits
 from leasekeeper._logging import REQUEST_ID
 from leasekeeper._metrics import Metrics
 from leasekeeper._service import LeaseService
@@ -72,26 +70,21 @@ def create_app(
     run_cleanup: bool = True,
     extra_routes: list[BaseRoute] | None = None,
     lifespan_hooks: list[Callable[[], contextlib.AbstractAsyncContextManager[None]]] | None = None,
-    mint_limit: RateLimiter | None = None,
+    limits: Limits | None = None,
 ) -> LeaseApp:
     """The ASGI application over ``service``.
 
     Its lifespan opens the store and, when ``run_cleanup`` is true, runs the
     cleanup every ``settings.cleanup_interval_seconds``. ``monotonic`` drives the
     rate limits (tests pass a fake). ``extra_routes`` and ``lifespan_hooks`` let
-    other adapters (MCP) mount beside the API; ``mint_limit`` is the namespace-mint
-    limiter to share with them (by default a new one from ``settings``).
+    other adapters (MCP) mount beside the API; ``limits`` are the rate limits to
+    share with them (by default new ones from ``settings`` on ``monotonic``).
     """
     settings = settings or Settings()
     metrics = Metrics()
     service.add_observer(metrics)
-    if mint_limit is None:
-        mint_limit = mint_limiter(settings, monotonic=monotonic)
-    address_limit = RateLimiter(settings.address_rate, settings.address_burst, monotonic=monotonic)
-    namespace_limit = RateLimiter(
-        settings.namespace_request_rate, settings.namespace_request_burst, monotonic=monotonic
-    )
-    limits = _Limits(address_limit, mint_limit, namespace_limit)
+    if limits is None:
+        limits = Limits.from_settings(settings, monotonic=monotonic)
     endpoints = {
         operation: LeaseEndpoint(
             operation,
@@ -227,13 +220,6 @@ class _ClientGone(Exception):
     """The client disconnected before its request body arrived."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Limits:
-    address: RateLimiter
-    mint: RateLimiter
-    namespace: RateLimiter
-
-
 async def _send_json(
     send: Send,
     status: int,
@@ -256,9 +242,10 @@ async def _send_json(
 class LeaseEndpoint:
     """One lease route (``operation``) as a plain ASGI app; returns the status it sent.
 
-    It reads the body within ``max_body`` bytes and ``body_timeout`` seconds, parses
-    it strictly, applies the rate limits that are switched on, calls
-    ``service.handle`` and answers with the reply or with the error's body from the
+    It takes from the per-address limit (when on), reads the body within
+    ``max_body`` bytes and ``body_timeout`` seconds, parses it strictly, applies
+    the other rate limits (``Limits.enforce``, the rules MCP tool calls follow
+    too), calls ``service.handle`` and answers with the reply or with the error's body from the
     one error table (``error_parts``). Anything unforeseen is logged and answered
     500 ``internal`` without details. A client that went away gets no answer.
     """
@@ -267,7 +254,7 @@ class LeaseEndpoint:
         self,
         operation: str,
         service: LeaseService,
-        limits: _Limits,
+        limits: Limits,
         max_body: int,
         body_timeout: float,
         metrics: Metrics,
@@ -306,22 +293,17 @@ class LeaseEndpoint:
         self, scope: Scope, receive: Receive, state: dict[str, bool]
     ) -> tuple[int, bytes]:
         limits = self.limits
-        if limits.address.enabled:
-            limits.address.enforce(client_address(scope), "requests from this address")
+        # The address first, before the body is read: a flood costs no reading.
+        limits.enforce_address(scope)
         raw = await self._read_body(scope, receive)
         state["body_read"] = True
-        if self.operation == "namespace":
-            take_mint(limits.mint, scope)
-            # Only JSON's own whitespace makes an empty body: bytes.strip() would also
-            # drop \x0b and \x0c, which are not JSON and must be refused.
-            empty = not raw.strip(_JSON_WHITESPACE)
-            data: dict[str, Any] = {} if empty else parse_json_object(raw)
+        # Only JSON's own whitespace makes an empty body: bytes.strip() would also
+        # drop \x0b and \x0c, which are not JSON and must be refused.
+        if self.operation == "namespace" and not raw.strip(_JSON_WHITESPACE):
+            data: dict[str, Any] = {}
         else:
             data = parse_json_object(raw)
-        namespace = data.get("namespace")
-        if limits.namespace.enabled and isinstance(namespace, str):
-            digest = hashlib.sha256(namespace.encode("utf-8", "replace")).digest()
-            limits.namespace.enforce(digest, "requests for this namespace")
+        limits.enforce(scope, self.operation, data, address=False)
         reply = await self.service.handle(self.operation, data)
         return 201 if reply.created else 200, reply.json_bytes()
 

@@ -8,11 +8,14 @@ content, and as JSON text for clients that read only text. A refusal
 body, so an agent can read ``status`` and ``retry_after_seconds``. Errors become
 results in one place, ``call_lease_tool``.
 
-Namespace minting over ``/mcp`` takes from the same per-address limiter as the
-HTTP route (``leasekeeper serve`` makes one and hands it to both), keyed by the
-HTTP client's address, which the SDK passes to a tool handler as ``ctx.request``
-(the Starlette request of the POST). Over stdio the peer is a local process with
-no address, and minting is not limited.
+Tool calls over ``/mcp`` take from the same rate limits as the HTTP routes
+(``leasekeeper serve`` makes one ``Limits`` and hands it to both, which apply it
+with ``Limits.enforce``): every call from the client's address when the
+per-address limit is on, every call naming a namespace from that namespace's
+bucket when the per-namespace limit is on, and every mint from the address's
+mint bucket. The address is the HTTP client's, which the SDK passes to a tool
+handler as ``ctx.request`` (the Starlette request of the POST). Over stdio the
+peer is a local process with no address, and nothing is rate limited.
 
 The server is built on the SDK's low-level ``Server`` rather than ``MCPServer``:
 ``MCPServer`` derives schemas from Python signatures and validates arguments with
@@ -25,8 +28,8 @@ Transports:
 - streamable HTTP (``streamable_http_mount``), mounted at ``/mcp`` beside the
   HTTP API by ``leasekeeper serve``. Stateless and with JSON responses: a tool
   call is one self-contained POST, so any instance behind a load balancer can
-  answer it and no session state lives in the process. Mints are rate limited
-  per client address, together with the HTTP route's;
+  answer it and no session state lives in the process. Tool calls are rate
+  limited together with the HTTP routes' requests;
 - stdio (``serve_stdio``), for desktop agents: ``leasekeeper mcp``.
 
 Nothing here logs tool arguments or results: they hold namespaces, keys, owner
@@ -59,7 +62,7 @@ from starlette.routing import BaseRoute, Route
 from leasekeeper._core.secrets import NAMESPACE_PREFIX, OWNER_PREFIX
 from leasekeeper._core.validation import MAX_RESULT_BYTES, check_tree
 from leasekeeper._errors import InternalError, LeaseError
-from leasekeeper._limits import RateLimiter, mint_limiter, take_mint
+from leasekeeper._limits import Limits
 from leasekeeper._schemas import DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
 from leasekeeper._service import LeaseService
 from leasekeeper._settings import Settings
@@ -166,8 +169,9 @@ def _schema(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
 
 _ERRORS_ANY_TOOL = (
     'Other errors: "invalid" (an argument breaks a rule; the error names it; fix it, do not '
-    'retry unchanged), "unavailable" (the store is unreachable; retry after '
-    'retry_after_seconds), "internal" (retry later).'
+    'retry unchanged), "rate_limited" (too many requests from your address or for this '
+    'namespace; wait retry_after_seconds), "unavailable" (the store is unreachable; retry '
+    'after retry_after_seconds), "internal" (retry later).'
 )
 
 _TOOLS: Final = (
@@ -183,8 +187,9 @@ _TOOLS: Final = (
             "not mint a new namespace per lease: the same key in another namespace is another "
             "job, so duplicates would go unnoticed. Takes no arguments; returns "
             "{ok, namespace, entropy_bits}.\n"
-            'Tool error "rate_limited": too many namespaces were minted from your address; '
-            "use the namespace you already have, or wait retry_after_seconds."
+            'Tool error "rate_limited": too many namespaces were minted (or requests sent) '
+            "from your address; use the namespace you already have, or wait "
+            "retry_after_seconds."
         ),
         input_schema=_schema({}, []),
         annotations=types.ToolAnnotations(
@@ -357,16 +362,17 @@ async def call_lease_tool(
     name: str,
     arguments: Mapping[str, Any] | None,
     *,
-    mint_limit: RateLimiter | None = None,
+    limits: Limits | None = None,
     scope: Mapping[str, Any] | None = None,
 ) -> types.CallToolResult:
     """Run tool ``name`` on ``service``; every outcome but an unknown tool is a result.
 
     This is the one place where MCP maps outcomes: a reply is a result, a
     ``LeaseError`` is an error result with the same body as over HTTP. With
-    ``mint_limit``, a mint first takes a token for the client address of the
-    ASGI ``scope`` of the HTTP request (``"unknown"`` without one), as the HTTP
-    route does; a refusal is the ``rate_limited`` error.
+    ``limits``, the call first spends what an HTTP request of the same
+    operation and body would (``Limits.enforce``), for the client address of the
+    ASGI ``scope`` of the HTTP request (``"unknown"`` without one); a refusal is
+    the ``rate_limited`` error.
     """
     operation = TOOL_OPERATIONS.get(name)
     if operation is None:
@@ -374,8 +380,8 @@ async def call_lease_tool(
         raise MCPError(code=types.INVALID_PARAMS, message=f"Unknown tool: {name}")
     data = dict(arguments or {})
     try:
-        if operation == "namespace" and mint_limit is not None:
-            take_mint(mint_limit, scope or {})
+        if limits is not None:
+            limits.enforce(scope or {}, operation, data)
         # HTTP checks depth and lone surrogates while parsing the body; JSON-RPC
         # parsers do not, so the same check runs here.
         check_tree(data)
@@ -400,15 +406,13 @@ def _result(body: dict[str, Any], text: bytes, *, is_error: bool) -> types.CallT
     )
 
 
-def create_mcp_server(
-    service: LeaseService, *, mint_limit: RateLimiter | None = None
-) -> Server[Any]:
+def create_mcp_server(service: LeaseService, *, limits: Limits | None = None) -> Server[Any]:
     """An MCP server exposing the five lease tools over ``service``.
 
     The server does not open or close the service: its owner does (the HTTP
-    app's lifespan, or ``serve_stdio``). With ``mint_limit`` (streamable HTTP),
-    ``create_lease_namespace`` takes from it per HTTP client address; without
-    (stdio), minting is not limited.
+    app's lifespan, or ``serve_stdio``). With ``limits`` (streamable HTTP), tool
+    calls take from them per HTTP client address and per namespace, as HTTP
+    requests do; without (stdio), nothing is rate limited.
     """
 
     async def list_tools(
@@ -423,7 +427,7 @@ def create_mcp_server(
         request = ctx.request
         scope = request.scope if isinstance(request, HTTPConnection) else None
         return await call_lease_tool(
-            service, params.name, params.arguments, mint_limit=mint_limit, scope=scope
+            service, params.name, params.arguments, limits=limits, scope=scope
         )
 
     def input_schema(name: str) -> Mapping[str, Any] | None:
@@ -471,7 +475,7 @@ def streamable_http_mount(
     settings: Settings | None = None,
     *,
     path: str = MCP_PATH,
-    mint_limit: RateLimiter | None = None,
+    limits: Limits | None = None,
 ) -> StreamableHttpMount:
     """Streamable HTTP at ``path``, for ``create_app(extra_routes=..., lifespan_hooks=...)``.
 
@@ -480,13 +484,13 @@ def streamable_http_mount(
     are capped at ``settings.max_body_bytes`` like the API's. When the server
     listens on a loopback address, Host and Origin are checked against loopback
     names, as the SDK does by default, against DNS rebinding from a browser.
-    Mints take from ``mint_limit`` per client address: pass the limiter the HTTP
-    app has (``create_app(mint_limit=...)``) so that the two share one budget; by
-    default the mount makes its own from ``settings``.
+    Tool calls take from ``limits``: pass the ones the HTTP app has
+    (``create_app(limits=...)``) so that the two share one budget per address and
+    per namespace; by default the mount makes its own from ``settings``.
     """
     settings = settings or Settings()
-    if mint_limit is None:
-        mint_limit = mint_limiter(settings)
+    if limits is None:
+        limits = Limits.from_settings(settings)
     security = None
     if settings.host in _LOOPBACK:
         names = ["127.0.0.1", "localhost", "[::1]"]  # as in a Host header
@@ -497,7 +501,7 @@ def streamable_http_mount(
             allowed_origins=[f"{scheme}://{host}" for scheme in _SCHEMES for host in hosts],
         )
     manager = StreamableHTTPSessionManager(
-        app=create_mcp_server(service, mint_limit=mint_limit),
+        app=create_mcp_server(service, limits=limits),
         json_response=True,
         stateless=True,
         security_settings=security,
