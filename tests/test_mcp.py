@@ -588,6 +588,23 @@ def lease_over_http(client: TestClient, operation: str, **data: Any) -> httpx.Re
     return client.post(path, json=data)
 
 
+def same_429_then_free(
+    client: TestClient,
+    era: str,
+    monotonic: FakeMonotonic,
+    reply: dict[str, Any],
+    lease: dict[str, Any],
+) -> None:
+    """HTTP refuses the same acquire with the body the MCP refusal carried; once the one
+    token at 0.5 per second is back, the key, untouched by the refusals, is acquired."""
+    over_http = lease_over_http(client, "acquire", **lease)
+    assert over_http.status_code == 429
+    assert reply == over_http.json()
+    assert reply["retry_after_seconds"] == 2
+    monotonic.advance(2)
+    assert ok(call_over_mcp(client, era, "acquire_lease", lease))["status"] == "held"
+
+
 @pytest.mark.parametrize("era", ERAS)
 def test_mcp_calls_past_the_address_burst_are_rate_limited_as_over_http(
     monotonic: FakeMonotonic, era: str
@@ -615,13 +632,7 @@ def test_mcp_calls_past_the_address_burst_are_rate_limited_as_over_http(
             reply = refused(call_over_mcp(client, era, name, arguments), "rate_limited")
             assert "requests from this address" in reply["error"]
         assert random.draws == draws  # no namespace minted, no owner token issued
-        over_http = lease_over_http(client, "acquire", **other)
-        assert over_http.status_code == 429
-        assert reply == over_http.json()
-        assert reply["retry_after_seconds"] == 2  # one token at 0.5 per second
-        monotonic.advance(2)
-        # The refused acquire took nothing: the key is free.
-        assert ok(call_over_mcp(client, era, "acquire_lease", other))["status"] == "held"
+        same_429_then_free(client, era, monotonic, reply, other)
 
 
 @pytest.mark.parametrize("era", ERAS)
@@ -671,13 +682,7 @@ def test_mcp_calls_for_a_hot_namespace_are_rate_limited_as_over_http(
         assert "requests for this namespace" in reply["error"]
         # Another namespace, from the same address, is served.
         ok(call_over_mcp(client, era, "acquire_lease", {"namespace": cold, "key": "job"}))
-        over_http = lease_over_http(client, "acquire", **other)
-        assert over_http.status_code == 429
-        assert reply == over_http.json()
-        assert reply["retry_after_seconds"] == 2  # one token at 0.5 per second
-        monotonic.advance(2)
-        # The refused acquire took nothing: the key is free.
-        assert ok(call_over_mcp(client, era, "acquire_lease", other))["status"] == "held"
+        same_429_then_free(client, era, monotonic, reply, other)
 
 
 @pytest.mark.parametrize("era", ERAS)
