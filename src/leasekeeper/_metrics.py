@@ -18,7 +18,8 @@ stored, so a lease's hold time is not knowable after the fact):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -31,10 +32,32 @@ from leasekeeper._core.model import (
     Renewed,
 )
 
-__all__ = ["Metrics"]
+__all__ = ["Children", "Metrics"]
 
 _SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 _LEASE_SECONDS = (1, 5, 15, 30, 60, 120, 300, 900, 3600, 14_400, 86_400)
+
+
+class Children(dict[Hashable, Callable[..., None]]):
+    """One method (``"inc"``, ``"observe"``) of a labelled metric's children, by label
+    value, or by a tuple of label values for several labels.
+
+    prometheus_client's ``labels()`` costs a lock and a tuple on every call; here a
+    child is looked up once, on first use, and after that ``children[labels](...)``
+    is a dict lookup. For small fixed label sets only (routes, statuses, operations,
+    outcomes): entries are never dropped.
+    """
+
+    def __init__(self, metric: Any, method: str) -> None:
+        super().__init__()
+        self._metric = metric
+        self._method = method
+
+    def __missing__(self, labels: Hashable) -> Callable[..., None]:
+        values = labels if isinstance(labels, tuple) else (labels,)
+        bound: Callable[..., None] = getattr(self._metric.labels(*values), self._method)
+        self[labels] = bound
+        return bound
 
 
 class Metrics:
@@ -130,28 +153,18 @@ class Metrics:
             "Records deleted because their lifecycle was over",
             registry=self.registry,
         )
-        # prometheus_client's labels() costs a lock and a tuple per call: keep each
-        # child's method once it exists (operations and outcomes are small fixed sets).
-        self._store_observe: dict[str, Callable[[float], None]] = {}
-        self._store_failed: dict[str, Callable[[], None]] = {}
-        self._decided: dict[tuple[str, str], Callable[[], None]] = {}
-        self._lease_observe: dict[str, Callable[[float], None]] = {}
+        self._store_observe = Children(self.store_latency, "observe")
+        self._store_failed = Children(self.store_failures, "inc")
+        self._decided = Children(self.decisions, "inc")
+        self._lease_observe = Children(self.lease_seconds, "observe")
 
     # -- the service's observer ------------------------------------------------------------
 
     def store_call(self, operation: str, seconds: float, failed: bool) -> None:
         """One store call: its latency, and whether it failed."""
-        observe = self._store_observe.get(operation)
-        if observe is None:
-            histogram = self.store_latency.labels(operation)
-            observe = self._store_observe[operation] = histogram.observe
-        observe(seconds)
+        self._store_observe[operation](seconds)
         if failed:
-            increment = self._store_failed.get(operation)
-            if increment is None:
-                failures = self.store_failures.labels(operation)
-                increment = self._store_failed[operation] = failures.inc
-            increment()
+            self._store_failed[operation]()
 
     def decided(self, operation: str, outcome: Outcome, lifecycle_ms: int) -> None:
         """One decision of the rules, as returned by the store."""
@@ -161,17 +174,10 @@ class Metrics:
             name = "completed"
         else:
             name = type(outcome).__name__.lower()
-        increment = self._decided.get((operation, name))
-        if increment is None:
-            counter = self.decisions.labels(operation, name)
-            increment = self._decided[(operation, name)] = counter.inc
-        increment()
+        self._decided[operation, name]()
         if isinstance(outcome, Granted | Renewed):
-            observe = self._lease_observe.get(operation)
-            if observe is None:
-                histogram = self.lease_seconds.labels(operation)
-                observe = self._lease_observe[operation] = histogram.observe
-            observe(max(0, outcome.record.lease_expires_ms - outcome.now_ms) / 1000)
+            seconds = max(0, outcome.record.lease_expires_ms - outcome.now_ms) / 1000
+            self._lease_observe[operation](seconds)
         elif isinstance(outcome, Held):
             self.wait_seconds.observe(
                 max(0, outcome.record.lease_expires_ms - outcome.now_ms) / 1000

@@ -36,7 +36,7 @@ from leasekeeper._errors import (
 )
 from leasekeeper._limits import Limits
 from leasekeeper._logging import REQUEST_ID
-from leasekeeper._metrics import Metrics
+from leasekeeper._metrics import Children, Metrics
 from leasekeeper._service import LeaseService
 from leasekeeper._settings import Settings
 from leasekeeper.http._errors import (
@@ -454,9 +454,8 @@ class LeaseApp:
         self._busy = error_parts(
             ServiceUnavailable("The server is at its connection limit; retry shortly")
         )
-        # prometheus_client's labels() costs a lock and a tuple per call: keep the children.
-        self._counted: dict[tuple[str, int], Callable[[], None]] = {}
-        self._timed: dict[str, Callable[[float], None]] = {}
+        self._counted = Children(metrics.requests, "inc")
+        self._timed = Children(metrics.latency, "observe")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -486,10 +485,7 @@ class LeaseApp:
                 elapsed = time.perf_counter() - started
                 self.in_flight -= 1
                 self._count(route, status)
-                observe = self._timed.get(route)
-                if observe is None:
-                    observe = self._timed[route] = self.metrics.latency.labels(route).observe
-                observe(elapsed)
+                self._timed[route](elapsed)
                 if access_log.isEnabledFor(logging.DEBUG):
                     access_log.debug(
                         "%s %s %d %.1fms", scope["method"], route, status, elapsed * 1000
@@ -498,11 +494,7 @@ class LeaseApp:
             REQUEST_ID.reset(reset)
 
     def _count(self, route: str, status: int) -> None:
-        increment = self._counted.get((route, status))
-        if increment is None:
-            child = self.metrics.requests.labels(route, str(status))
-            increment = self._counted[(route, status)] = child.inc
-        increment()
+        self._counted[route, status]()  # prometheus_client makes the status a string
 
     async def _starlette(
         self, scope: Scope, receive: Receive, send: Send, request_id: bytes
