@@ -126,7 +126,9 @@ _MIGRATION_LOCK: Final = (
 
 # Milliseconds of the server's clock: clock_timestamp() moves during a transaction,
 # now() is frozen at its start.
-_READ_CLOCK: Final = "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+# The database server's clock, in milliseconds: every instance reads time from it.
+_DB_NOW_MS: Final = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+_READ_CLOCK: Final = f"SELECT {_DB_NOW_MS}"
 
 _BEGIN: Final = "BEGIN ISOLATION LEVEL READ COMMITTED"
 # A batch's rows, locked in key order: two batches (of any instances) that share keys
@@ -137,26 +139,25 @@ _LOCK_ROWS: Final = (
     "WHERE key_id = ANY(%s) ORDER BY key_id FOR UPDATE"
 )
 _NEXT_FENCES: Final = "SELECT nextval('leasekeeper_fence') FROM generate_series(1, %s)"
-# Both take the nine columns as arrays (``_columns``).
-_UPDATE_MANY: Final = (
-    "UPDATE leasekeeper_leases AS l SET fingerprint = v.fingerprint, "
-    "absolute_expires_ms = v.absolute_expires_ms, fencing_token = v.fencing_token, "
-    "owner = v.owner, lease_expires_ms = v.lease_expires_ms, "
-    "completed_ms = v.completed_ms, result = v.result, updated_ms = v.updated_ms "
+# The nine columns of a list of records, as arrays (``_columns``), as rows ``v``.
+_UNNEST: Final = (
     "FROM unnest(%s::bytea[], %s::bytea[], %s::bigint[], %s::bigint[], %s::bytea[], "
     "%s::bigint[], %s::bigint[], %s::text[], %s::bigint[]) AS v (key_id, fingerprint, "
     "absolute_expires_ms, fencing_token, owner, lease_expires_ms, completed_ms, result, "
     "updated_ms) "
-    "WHERE l.key_id = v.key_id"
+)
+_UPDATE_MANY: Final = (
+    "UPDATE leasekeeper_leases AS l SET fingerprint = v.fingerprint, "  # noqa: S608 - module constants only
+    "absolute_expires_ms = v.absolute_expires_ms, fencing_token = v.fencing_token, "
+    "owner = v.owner, lease_expires_ms = v.lease_expires_ms, "
+    "completed_ms = v.completed_ms, result = v.result, updated_ms = v.updated_ms "
+    + _UNNEST
+    + "WHERE l.key_id = v.key_id"
 )
 _INSERT_MANY: Final = (
     "INSERT INTO leasekeeper_leases (key_id, fingerprint, absolute_expires_ms, "
     "fencing_token, owner, lease_expires_ms, completed_ms, result, updated_ms) "
-    "SELECT * FROM unnest(%s::bytea[], %s::bytea[], %s::bigint[], %s::bigint[], %s::bytea[], "
-    "%s::bigint[], %s::bigint[], %s::text[], %s::bigint[]) AS v (key_id, fingerprint, "
-    "absolute_expires_ms, fencing_token, owner, lease_expires_ms, completed_ms, result, "
-    "updated_ms) "
-    "ORDER BY key_id ON CONFLICT (key_id) DO NOTHING RETURNING key_id"
+    "SELECT * " + _UNNEST + "ORDER BY key_id ON CONFLICT (key_id) DO NOTHING RETURNING key_id"
 )
 # SKIP LOCKED: a row locked by a decision in progress is left for the next batch
 # (that decision may be starting a new lifecycle on it). The records that ended first
@@ -168,9 +169,8 @@ _INSERT_MANY: Final = (
 # records: a step took 4.2 ms at the median and the last step of a cleanup, which finds
 # fewer than it may delete, 762 ms (a scan of the whole table); now 3.6 and 11 ms.
 _PURGE_AT_DB_NOW: Final = (
-    "DELETE FROM leasekeeper_leases WHERE key_id IN (SELECT key_id FROM leasekeeper_leases "
-    "WHERE absolute_expires_ms <= "
-    "(SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint) "
+    "DELETE FROM leasekeeper_leases WHERE key_id IN (SELECT key_id FROM leasekeeper_leases "  # noqa: S608 - module constants only
+    f"WHERE absolute_expires_ms <= (SELECT {_DB_NOW_MS}) "
     "ORDER BY absolute_expires_ms LIMIT %s FOR UPDATE SKIP LOCKED)"
 )
 _PURGE_AT: Final = (
@@ -186,8 +186,8 @@ _PING: Final = "SELECT 1 FROM leasekeeper_leases LIMIT 0"
 # clock_timestamp() would be evaluated again for every row, and the time would move
 # during the scan.
 _COUNT_LIVE_AT_DB_NOW: Final = (
-    "SELECT count(*) FROM leasekeeper_leases WHERE owner IS NOT NULL AND lease_expires_ms > "
-    "(SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint)"
+    "SELECT count(*) FROM leasekeeper_leases WHERE owner IS NOT NULL AND lease_expires_ms > "  # noqa: S608 - module constants only
+    f"(SELECT {_DB_NOW_MS})"
 )
 _COUNT_LIVE_AT: Final = (
     "SELECT count(*) FROM leasekeeper_leases WHERE owner IS NOT NULL AND lease_expires_ms > %s"
@@ -737,7 +737,7 @@ async def _end_transaction(conn: Connection) -> None:
 
 
 def _columns(records: list[LeaseRecord]) -> tuple[list[Any], ...]:
-    """``records`` as the nine column arrays that ``_UNNEST`` takes."""
+    """``records`` as the nine column arrays that ``_UNNEST`` reads."""
     return (
         [r.key_id for r in records],
         [r.fingerprint for r in records],
