@@ -345,12 +345,7 @@ class SqliteStore:
             log.error("SQLite transaction failed, %d operations refused: %s", len(batch), exc)
             error = ServiceUnavailable("The lease store could not complete the write")
             results = [(op, error) for op in batch]
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Op, Any]]] = {}
-        for entry in results:
-            by_loop.setdefault(entry[0].loop, []).append(entry)
-        for loop, entries in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
-                loop.call_soon_threadsafe(_deliver, entries)
+        _hand_back(results)
 
     def _decide_all(
         self,
@@ -498,9 +493,18 @@ class _Checkpointer:
 
 
 def _fail_all(batch: list[_Op], error: BaseException) -> None:
-    for op in batch:
-        with contextlib.suppress(RuntimeError):
-            op.loop.call_soon_threadsafe(settle, op.future, error)
+    _hand_back([(op, error) for op in batch])
+
+
+def _hand_back(results: list[tuple[_Op, Any]]) -> None:
+    """From the writer thread: settle each op's future on its own event loop, one
+    call per loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Op, Any]]] = {}
+    for entry in results:
+        by_loop.setdefault(entry[0].loop, []).append(entry)
+    for loop, entries in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
+            loop.call_soon_threadsafe(_deliver, entries)
 
 
 def _deliver(entries: list[tuple[_Op, Any]]) -> None:
