@@ -10,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import secrets
 from pathlib import Path
+from typing import Any
 
-from leasekeeper import FakeClock
+import pytest
+
+from leasekeeper import FakeClock, InternalError
 from leasekeeper._core.model import (
     Acquire,
     Complete,
@@ -137,3 +140,82 @@ def test_checkpoints_copy_the_wal_into_the_database_file_off_the_writer(tmp_path
     with contextlib.closing(sqlite3.connect(path)) as conn:
         assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
         assert conn.execute("SELECT count(*) FROM leases").fetchone() == (50,)
+
+
+def test_an_unforeseen_failure_of_a_batch_is_internal_and_the_writer_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug inside the writer's batch answers its requests 500 internal (nothing is
+    left waiting) and the writer serves the next batch."""
+    clock = FakeClock()
+    real = SqliteStore._decide_all
+    calls = 0
+
+    def fails_once(self: SqliteStore, *args: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a bug")
+        real(self, *args)
+
+    monkeypatch.setattr(SqliteStore, "_decide_all", fails_once)
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "f.db", clock)
+        await store.open()
+        with pytest.raises(InternalError):
+            await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        decision = await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        assert isinstance(decision.outcome, Granted)
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_without_the_checkpoint_thread_sqlite_checkpoints_in_its_commits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the checkpoint connection cannot be set up, it is closed, and the writer
+    switches SQLite's own checkpoints back on: the WAL still reaches the database file."""
+    import contextlib
+    import sqlite3
+
+    from leasekeeper.store import _sqlite
+
+    closed: list[bool] = []
+    connect = sqlite3.connect
+
+    class Refusing:
+        """The checkpointer's connection: its first PRAGMA fails."""
+
+        def execute(self, *args: Any) -> Any:
+            raise sqlite3.OperationalError("disk I/O error")
+
+        def close(self) -> None:
+            closed.append(True)
+
+    def connecting(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("check_same_thread") is False and "cached_statements" not in kwargs:
+            return Refusing()  # the checkpointer's connect; the writer passes cached_statements
+        return connect(*args, **kwargs)
+
+    monkeypatch.setattr(_sqlite.sqlite3, "connect", connecting)
+    path = tmp_path / "a.db"
+    clock = FakeClock()
+
+    async def main() -> None:
+        store = SqliteStore(path, clock)
+        await store.open()
+        # SQLite checkpoints when a COMMIT takes the WAL past 1,000 pages.
+        for _ in range(600):
+            decision = await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+            assert isinstance(decision.outcome, Granted)
+        monkeypatch.setattr(_sqlite.sqlite3, "connect", connect)
+        uri = f"{path.resolve().as_uri()}?immutable=1"  # the database file alone
+        with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:
+            (in_file,) = conn.execute("SELECT count(*) FROM leases").fetchone()
+        assert in_file > 0
+        await store.close()
+
+    asyncio.run(main())
+    assert closed == [True]

@@ -441,11 +441,14 @@ class _Checkpointer:
 
     def start(self) -> bool:
         """Connect and start the thread; False (and logged) when it cannot connect."""
+        conn: sqlite3.Connection | None = None
         try:
             conn = sqlite3.connect(self._path, isolation_level=None, check_same_thread=False)
             conn.execute("PRAGMA synchronous = FULL")
             conn.execute(f"PRAGMA busy_timeout = {int(self._timeout * 1000)}")
         except sqlite3.Error as exc:
+            if conn is not None:
+                conn.close()
             log.warning("SQLite checkpoints stay in the writer's commits: %s", exc)
             return False
         self._conn = conn
