@@ -399,28 +399,31 @@ def test_connections_over_the_cap_get_json_503(tmp_path: Path) -> None:
 
 
 def test_sqlite_writer_survives_a_failing_batch(tmp_path: Path) -> None:
-    """A fault outside any single operation fails that batch only; the writer keeps serving."""
+    """A fault on the commit thread, outside any single operation, fails that batch only:
+    nothing of it is kept, and the store keeps serving."""
 
     async def main() -> None:
         store = SqliteStore(tmp_path / "w.db", FakeClock())
         service = LeaseService(store)
         await service.start()
-        original = store._run_batch
+        original = store._commit
         calls = 0
 
-        def flaky(conn: Any, batch: Any) -> None:
+        def flaky(conn: Any, results: Any) -> Any:
             nonlocal calls
             calls += 1
             if calls == 1:
                 raise RuntimeError("simulated fault")
-            original(conn, batch)
+            return original(conn, results)
 
-        store._run_batch = flaky  # type: ignore[method-assign]
+        store._commit = flaky  # type: ignore[method-assign]
         body = {"namespace": "ns_" + "E" * 42 + "A", "key": "k"}
         with pytest.raises(LeaseError) as first:
             await service.handle("acquire", body)
         assert first.value.status == "internal"
+        # The failed batch's grant was rolled back: the key is free, not held.
         assert (await service.handle("acquire", body)).created
+        assert calls == 2
         await service.stop()
 
     asyncio.run(main())

@@ -1,26 +1,33 @@
-"""The embedded SQLite store: one writer thread, group commit, full durability.
+"""The embedded SQLite store: group commit, full durability, COMMITs off the event loop.
 
-Every operation is queued to a single writer thread that owns the connection.
-The thread takes whatever is queued (up to ``max_batch``), applies each
-operation in order inside one ``BEGIN IMMEDIATE`` transaction, commits once,
-and only then answers the waiting requests::
+Requests queue on the event loop. When the connection is free, the loop takes the
+queued lease commands (up to ``max_batch``), opens a ``BEGIN IMMEDIATE``
+transaction without waiting for the lock, reads their records with one statement,
+decides each in turn, writes them with one statement, and hands the COMMIT to a
+thread, which answers the requests only once it is durable::
 
-    event loop:  req1 req2 req3 ──queue──►  writer: BEGIN IMMEDIATE
-                                                    apply req1, req2, req3
-                                                    COMMIT (one fsync)
-                 ◄──────── answers ───────────────  deliver 1, 2, 3
+    event loop:  req1 req2 req3 ─► BEGIN IMMEDIATE, decide 1, 2, 3 ──► thread: COMMIT
+                 req4 req5 (queue while the thread commits)               (one fsync)
+                 answer 1, 2, 3 ◄─────────────────────────────────────────────┘
+                 BEGIN IMMEDIATE, decide 4, 5 ──► thread: COMMIT ...
 
-While one batch is being fsynced the next one fills up, so throughput grows with
-load while each acknowledged write is already on disk (WAL, ``synchronous=FULL``).
-The event loop never touches SQLite, so commits never block it; WAL checkpoints
-run on a second thread and connection (``_Checkpointer``), so they do not hold up
-the writer's commits either. The fencing counter lives in its own row and is read inside each
-transaction, so it never goes back, not even when every record is deleted.
+The loop's part is quick work in memory (the records read are in SQLite's page
+cache or the operating system's); everything that can wait (a COMMIT's fsync, a
+write lock held by another process, a cleanup step, WAL checkpoints) happens on
+threads, so the loop parses the next requests while the last batch is being made
+durable. Decisions on the loop rather than on the thread keep all of the Python
+work on one thread: the two threads do not take turns holding the GIL for every
+statement, and the batch commits while the loop works. Tasks (cleanup steps,
+pings) and any batch that finds the write lock taken run whole on the thread. WAL
+checkpoints run on a third thread and connection (``_Checkpointer``). The fencing
+counter lives in its own row and is read inside each transaction, so it never
+goes back, not even when every record is deleted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -114,15 +121,19 @@ _Task = Callable[[sqlite3.Connection], Any]
 
 @dataclass(slots=True)
 class _Op:
-    """One queued request: a lease ``command``, or else a ``task``."""
+    """One request for the connection: a lease ``command``, or else a ``task``."""
 
     command: Command | None
     task: _Task | None
     future: asyncio.Future[Any]
-    loop: asyncio.AbstractEventLoop
 
 
-_STOP = object()
+#: What the thread hands back to the event loop: each op with its outcome.
+_Results = list[tuple[_Op, Any]]
+#: Work for the thread: a batch, with the results the loop decided for it in its open
+#: transaction (to COMMIT and answer), or with None to run whole on the thread (a task,
+#: or commands that found the write lock taken). None alone stops the thread.
+_Job = tuple[list[_Op], _Results | None]
 
 
 class SqliteStore:
@@ -140,9 +151,16 @@ class SqliteStore:
         self._clock = clock or SystemClock()
         self._max_batch = max_batch
         self._timeout = timeout_seconds
-        self._queue: queue.SimpleQueue[_Op | object] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._open_lock = asyncio.Lock()
+        # Set by open(); the event loop's side, used on that loop only:
+        self._conn: sqlite3.Connection | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: collections.deque[_Op] = collections.deque()
+        #: The connection is in a batch: the loop's statements or the thread's job.
+        self._busy = False
+        self._idle = asyncio.Event()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -151,21 +169,32 @@ class SqliteStore:
             if self._thread is not None:
                 return
             loop = asyncio.get_running_loop()
-            ready: asyncio.Future[None] = loop.create_future()
+            ready: asyncio.Future[sqlite3.Connection] = loop.create_future()
             thread = threading.Thread(
-                target=self._writer, args=(loop, ready), name="leasekeeper-sqlite", daemon=True
+                target=self._sync_thread,
+                args=(loop, ready),
+                name="leasekeeper-sqlite",
+                daemon=True,
             )
             thread.start()
-            await ready
+            self._conn = await ready
+            self._loop = loop
+            self._busy = False
+            self._idle = asyncio.Event()
+            self._idle.set()
             self._thread = thread
 
     async def close(self) -> None:
+        """Refuse new requests, answer every queued one, then stop the thread."""
         async with self._open_lock:
             thread, self._thread = self._thread, None
             if thread is None:
                 return
-            self._queue.put(_STOP)
+            if asyncio.get_running_loop() is self._loop:
+                await self._idle.wait()
+            self._jobs.put(None)
             await asyncio.get_running_loop().run_in_executor(None, thread.join)
+            self._conn = None
 
     # -- the interface ---------------------------------------------------------------------
 
@@ -217,20 +246,133 @@ class SqliteStore:
             row = conn.execute("SELECT value FROM meta WHERE name = 'fence'").fetchone()
             return int(row[0])
 
-    # -- the writer thread -----------------------------------------------------------------
+    # -- the connection's two sides ---------------------------------------------------------
 
     async def _submit(self, command: Command | None, task: _Task | None) -> Any:
-        if self._thread is None:
-            raise ServiceUnavailable("The lease store is not open")
         loop = asyncio.get_running_loop()
+        if self._thread is None or self._loop is None:
+            raise ServiceUnavailable("The lease store is not open")
+        if loop is not self._loop:  # a caller on another event loop (thread): forward
+            if not self._loop.is_running():
+                raise ServiceUnavailable("The lease store's event loop is not running")
+            forwarded = asyncio.run_coroutine_threadsafe(self._submit(command, task), self._loop)
+            return await asyncio.wrap_future(forwarded)
         future: asyncio.Future[Any] = loop.create_future()
-        self._queue.put(_Op(command, task, future, loop))
+        self._pending.append(_Op(command, task, future))
+        if not self._busy:
+            self._busy = True
+            self._idle.clear()
+            # On the next turn of the loop: what arrives meanwhile joins the batch.
+            loop.call_soon(self._next)
         # A plain timer rather than asyncio.timeout(): a third of the cost on every request.
         timer = loop.call_later(self._timeout, expire, future)
         try:
             return await future
         finally:
             timer.cancel()
+
+    def _next(self) -> None:
+        """On the event loop: start the next batch, or leave the connection idle.
+
+        Consecutive lease commands (up to ``max_batch``) are decided here, inside a
+        ``BEGIN IMMEDIATE`` taken without waiting, and the thread commits them. A task,
+        or commands that found another connection holding the write lock, go to the
+        thread whole, which waits for the lock there, never on the loop.
+        """
+        pending = self._pending
+        while pending and pending[0].future.done():  # timed out while queued
+            pending.popleft()
+        if not pending:
+            self._busy = False
+            self._idle.set()
+            return
+        if pending[0].command is None:
+            self._jobs.put(([pending.popleft()], None))
+            return
+        batch: list[_Op] = []
+        while pending and len(batch) < self._max_batch and pending[0].command is not None:
+            batch.append(pending.popleft())
+        conn = self._conn
+        assert conn is not None
+        try:
+            conn.execute("BEGIN IMMEDIATE")  # busy_timeout is 0 on this connection
+        except sqlite3.Error:
+            self._jobs.put((batch, None))
+            return
+        results: _Results = []
+        try:
+            self._decide_in_transaction(conn, batch, results)
+        except BaseException as exc:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.Error):
+                log.error("SQLite batch failed, %d operations refused: %s", len(batch), exc)
+                error: LeaseError = ServiceUnavailable(
+                    "The lease store could not complete the write"
+                )
+            elif isinstance(exc, Exception):  # a bug: its waiters must not hang
+                log.exception("SQLite batch of %d operations failed", len(batch))
+                error = InternalError()
+            else:
+                raise
+            self._finished([(op, error) for op in batch])
+            return
+        self._jobs.put((batch, results))
+
+    def _finished(self, results: _Results) -> None:
+        """On the event loop: answer a batch the thread is done with; start the next."""
+        for op, outcome in results:
+            settle(op.future, outcome)
+        self._next()
+
+    def _sync_thread(
+        self, loop: asyncio.AbstractEventLoop, ready: asyncio.Future[sqlite3.Connection]
+    ) -> None:
+        """The thread: opens the connection, then COMMITs and runs whole batches."""
+        try:
+            conn = self._connect()
+        except (sqlite3.Error, OSError, RuntimeError) as exc:
+            log.error("cannot open the SQLite store at %s: %s", self.path, exc)
+            error = ServiceUnavailable(f"Cannot open the SQLite store: {exc}")
+            loop.call_soon_threadsafe(settle, ready, error)
+            return
+        checkpointer = _Checkpointer(self.path, self._timeout)
+        if not checkpointer.start():
+            conn.execute("PRAGMA wal_autocheckpoint = 1000")  # SQLite's own, in the COMMITs
+        loop.call_soon_threadsafe(settle, ready, conn)
+        try:
+            while (job := self._jobs.get()) is not None:
+                batch, decided = job
+                try:
+                    if decided is not None:
+                        results = self._commit(conn, decided)
+                    else:
+                        results = self._run_batch(conn, batch)
+                except Exception:  # never let the thread die: its waiters would hang
+                    log.exception("SQLite writer failed a batch of %d operations", len(batch))
+                    results = [(op, InternalError()) for op in batch]
+                    with contextlib.suppress(sqlite3.Error):
+                        if conn.in_transaction:  # nothing of the batch is kept
+                            conn.execute("ROLLBACK")
+                checkpointer.poke()
+                checkpointer.catch_up(conn)
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                    loop.call_soon_threadsafe(self._finished, results)
+        finally:
+            checkpointer.stop()
+            conn.close()
+
+    @staticmethod
+    def _commit(conn: sqlite3.Connection, results: _Results) -> _Results:
+        try:
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            log.error("SQLite commit failed, %d operations refused: %s", len(results), exc)
+            error = ServiceUnavailable("The lease store could not complete the write")
+            return [(op, error) for op, _ in results]
+        return results
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(
@@ -265,77 +407,25 @@ class SqliteStore:
             conn.execute("ROLLBACK")
             conn.close()
             raise
+        # The event loop takes the write lock without waiting (SqliteStore._next); the
+        # thread sets the timeout around its own BEGIN (_run_batch).
+        conn.execute("PRAGMA busy_timeout = 0")
         return conn
 
-    def _writer(self, loop: asyncio.AbstractEventLoop, ready: asyncio.Future[None]) -> None:
+    def _run_batch(self, conn: sqlite3.Connection, batch: list[_Op]) -> _Results:
+        """On the thread: one whole transaction, waiting up to the timeout for the lock."""
+        results: _Results = []
         try:
-            conn = self._connect()
-        except (sqlite3.Error, OSError, RuntimeError) as exc:
-            log.error("cannot open the SQLite store at %s: %s", self.path, exc)
-            error = ServiceUnavailable(f"Cannot open the SQLite store: {exc}")
-            loop.call_soon_threadsafe(settle, ready, error)
-            return
-        loop.call_soon_threadsafe(settle, ready, None)
-        checkpointer = _Checkpointer(self.path, self._timeout)
-        if not checkpointer.start():
-            conn.execute("PRAGMA wal_autocheckpoint = 1000")  # SQLite's own, in the COMMITs
-        try:
-            while True:
-                first = self._queue.get()
-                if first is _STOP:
-                    break
-                batch = [first]
-                stop = False
-                while len(batch) < self._max_batch:
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is _STOP:
-                        stop = True
-                        break
-                    batch.append(item)
-                try:
-                    self._run_batch(conn, batch)  # type: ignore[arg-type]
-                except Exception:  # never let the writer die: its waiters would hang
-                    log.exception("SQLite writer failed a batch of %d operations", len(batch))
-                    _fail_all(batch, InternalError())  # type: ignore[arg-type]
-                checkpointer.poke()
-                checkpointer.catch_up(conn)
-                if stop:
-                    break
-        finally:
-            checkpointer.stop()
-            conn.close()
-
-    def _run_batch(self, conn: sqlite3.Connection, batch: list[_Op]) -> None:
-        results: list[tuple[_Op, Any]] = []
-        try:
-            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(f"PRAGMA busy_timeout = {int(self._timeout * 1000)}")
             try:
-                (start,) = conn.execute("SELECT value FROM meta WHERE name = 'fence'").fetchone()
-                fence = start
-
-                def next_fence() -> int:
-                    nonlocal fence
-                    fence += 1
-                    return int(fence)
-
-                # Consecutive lease commands are decided together (one read, one write for
-                # all of them); any other task runs on its own, in queue order.
-                i, end = 0, len(batch)
-                while i < end:
-                    if batch[i].command is None:
-                        self._run_task(conn, batch[i], results)
-                        i += 1
-                        continue
-                    j = i + 1
-                    while j < end and batch[j].command is not None:
-                        j += 1
-                    self._decide_all(conn, batch[i:j], next_fence, results)
-                    i = j
-                if fence != start:
-                    conn.execute("UPDATE meta SET value = ? WHERE name = 'fence'", (fence,))
+                conn.execute("BEGIN IMMEDIATE")
+            finally:
+                conn.execute("PRAGMA busy_timeout = 0")
+            try:
+                if batch[0].command is None:
+                    self._run_task(conn, batch[0], results)
+                else:
+                    self._decide_in_transaction(conn, batch, results)
                 conn.execute("COMMIT")
             except BaseException:
                 if conn.in_transaction:
@@ -345,7 +435,23 @@ class SqliteStore:
             log.error("SQLite transaction failed, %d operations refused: %s", len(batch), exc)
             error = ServiceUnavailable("The lease store could not complete the write")
             results = [(op, error) for op in batch]
-        _hand_back(results)
+        return results
+
+    def _decide_in_transaction(
+        self, conn: sqlite3.Connection, batch: list[_Op], results: _Results
+    ) -> None:
+        """Decide ``batch`` (lease commands) and write the fencing counter they moved."""
+        (start,) = conn.execute("SELECT value FROM meta WHERE name = 'fence'").fetchone()
+        fence = start
+
+        def next_fence() -> int:
+            nonlocal fence
+            fence += 1
+            return int(fence)
+
+        self._decide_all(conn, batch, next_fence, results)
+        if fence != start:
+            conn.execute("UPDATE meta SET value = ? WHERE name = 'fence'", (fence,))
 
     def _decide_all(
         self,
@@ -493,23 +599,3 @@ class _Checkpointer:
                     return
         finally:
             conn.close()
-
-
-def _fail_all(batch: list[_Op], error: BaseException) -> None:
-    _hand_back([(op, error) for op in batch])
-
-
-def _hand_back(results: list[tuple[_Op, Any]]) -> None:
-    """From the writer thread: settle each op's future on its own event loop, one
-    call per loop."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Op, Any]]] = {}
-    for entry in results:
-        by_loop.setdefault(entry[0].loop, []).append(entry)
-    for loop, entries in by_loop.items():
-        with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
-            loop.call_soon_threadsafe(_deliver, entries)
-
-
-def _deliver(entries: list[tuple[_Op, Any]]) -> None:
-    for op, outcome in entries:
-        settle(op.future, outcome)
