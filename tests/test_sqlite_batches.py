@@ -8,13 +8,17 @@ run for each in turn, one write of every changed record, one commit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
+import sqlite3
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from leasekeeper import FakeClock, InternalError
+from leasekeeper import FakeClock, InternalError, ServiceUnavailable
 from leasekeeper._core.model import (
     Acquire,
     Complete,
@@ -105,10 +109,6 @@ def test_a_batch_reads_records_written_by_earlier_batches(tmp_path: Path) -> Non
 def test_checkpoints_copy_the_wal_into_the_database_file_off_the_writer(tmp_path: Path) -> None:
     """The writer never checkpoints by itself (no COMMIT waits for one); the checkpoint
     thread copies committed pages into the database file soon after they are written."""
-    import contextlib
-    import sqlite3
-    import time
-
     clock = FakeClock()
     path = tmp_path / "c.db"
 
@@ -177,9 +177,6 @@ def test_without_the_checkpoint_thread_sqlite_checkpoints_in_its_commits(
 ) -> None:
     """When the checkpoint connection cannot be set up, it is closed, and the writer
     switches SQLite's own checkpoints back on: the WAL still reaches the database file."""
-    import contextlib
-    import sqlite3
-
     from leasekeeper.store import _sqlite
 
     closed: list[bool] = []
@@ -219,3 +216,90 @@ def test_without_the_checkpoint_thread_sqlite_checkpoints_in_its_commits(
 
     asyncio.run(main())
     assert closed == [True]
+
+
+def test_a_write_lock_held_elsewhere_is_waited_for_on_the_thread_not_the_loop(
+    tmp_path: Path,
+) -> None:
+    """Another connection (a cleanup in another process, say) holds the write lock: the
+    batch waits for it on the thread while the event loop goes on serving, and is
+    decided once the lock is free; held past the timeout, the request gets 503."""
+    path = tmp_path / "l.db"
+    clock = FakeClock()
+
+    async def main() -> None:
+        store = SqliteStore(path, clock, timeout_seconds=2.0)
+        await store.open()
+        with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as other:
+            other.execute("BEGIN IMMEDIATE")
+            waiting = asyncio.ensure_future(
+                store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+            )
+            # The loop is not blocked: 20 turns of 5 ms each take about 100 ms, not 2 s.
+            started = time.monotonic()
+            for _ in range(20):
+                await asyncio.sleep(0.005)
+            assert time.monotonic() - started < 1.0
+            assert not waiting.done()
+            other.execute("COMMIT")
+        decision = await waiting
+        assert isinstance(decision.outcome, Granted)
+        await store.close()
+
+        short = SqliteStore(path, clock, timeout_seconds=0.2)
+        await short.open()
+        with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as other:
+            other.execute("BEGIN IMMEDIATE")
+            with pytest.raises(ServiceUnavailable):
+                await short.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+            other.execute("ROLLBACK")
+        decision = await short.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        assert isinstance(decision.outcome, Granted)
+        await short.close()
+
+    asyncio.run(main())
+
+
+def test_closing_answers_every_queued_request_and_refuses_new_ones(tmp_path: Path) -> None:
+    clock = FakeClock()
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "c.db", clock)
+        await store.open()
+        queued = [
+            asyncio.ensure_future(store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE)))
+            for _ in range(50)
+        ]
+        await asyncio.sleep(0)  # each request is queued
+        await store.close()
+        assert all(isinstance(f.result().outcome, Granted) for f in queued)
+        assert store.fencing_counter() == 50
+        with pytest.raises(ServiceUnavailable):
+            await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+
+    asyncio.run(main())
+
+
+def test_a_request_from_another_event_loop_is_decided_on_the_stores_loop(
+    tmp_path: Path,
+) -> None:
+    """The store decides on the loop that opened it; a caller on another thread's loop
+    is forwarded there and gets its answer back."""
+    clock = FakeClock()
+    answers: list[object] = []
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "t.db", clock)
+        await store.open()
+
+        def elsewhere() -> None:
+            decision = asyncio.run(store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE)))
+            answers.append(decision.outcome)
+
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        await asyncio.get_running_loop().run_in_executor(None, thread.join)
+        await store.close()
+
+    asyncio.run(main())
+    assert len(answers) == 1 and isinstance(answers[0], Granted)
