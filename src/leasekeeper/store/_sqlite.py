@@ -355,6 +355,7 @@ class SqliteStore:
                         if conn.in_transaction:  # nothing of the batch is kept
                             conn.execute("ROLLBACK")
                 checkpointer.poke()
+                # Before the answer: once _finished runs, the loop uses the connection.
                 checkpointer.catch_up(conn)
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                     loop.call_soon_threadsafe(self._finished, results)
@@ -530,9 +531,14 @@ class _Checkpointer:
     write starts the WAL over. Every checkpoint syncs the WAL before copying and the
     database file after (``synchronous=FULL``), so a crash at any point loses nothing
     acknowledged.
+
+    The writer waits for its catch-up, so it must stay short: it copies what was
+    committed during this thread's last pass, and a pass is shorter the more often
+    passes run. With a million records and passes every 0.1 s, each catch-up took
+    about 45 ms and acquires had a p99 of 43 ms; every 0.02 s, about 5 ms and 11 ms.
     """
 
-    def __init__(self, path: Path, timeout: float, interval: float = 0.1) -> None:
+    def __init__(self, path: Path, timeout: float, interval: float = 0.02) -> None:
         self._path = path
         self._timeout = timeout
         self._interval = interval
