@@ -710,6 +710,32 @@ def test_http_and_mcp_requests_for_one_namespace_share_one_bucket(
         assert lease_over_http(client, "acquire", namespace=cold, key="j2").status_code == 201
 
 
+@pytest.mark.parametrize("era", ERAS)
+def test_arguments_too_deep_spend_no_namespace_token_as_over_http(
+    monotonic: FakeMonotonic, era: str
+) -> None:
+    """Arguments that HTTP's parser would refuse (nested past the limit) are refused
+    before the namespace limit is spent, as over HTTP: with a per-namespace burst of 1,
+    the call after two refused ones is still served."""
+    limits = {"LEASEKEEPER_NAMESPACE_REQUEST_BURST": "1", "LEASEKEEPER_NAMESPACE_REQUEST_RATE": "1"}
+    deep: Any = 1
+    for _ in range(70):
+        deep = [deep]
+    with served(monotonic, CountingRandom(), limits) as client:
+        namespace = client.post("/services/v1/lease/namespace").json()["namespace"]
+        lease = {"namespace": namespace, "key": "job"}
+        body = json.dumps({**lease, "fingerprint": deep})
+        over_http = client.post(
+            "/services/v1/lease", content=body, headers={"content-type": "application/json"}
+        )
+        assert over_http.status_code == 400
+        refused(
+            call_over_mcp(client, era, "acquire_lease", {**lease, "fingerprint": deep}),
+            "invalid",
+        )
+        assert ok(call_over_mcp(client, era, "acquire_lease", lease))["status"] == "held"
+
+
 def test_mcp_calls_are_not_rate_limited_by_default(monotonic: FakeMonotonic) -> None:
     """With the default settings (per-address and per-namespace limits off), more tool calls
     from one address for one namespace than either default burst are all served. (One era:

@@ -369,10 +369,11 @@ async def call_lease_tool(
 
     This is the one place where MCP maps outcomes: a reply is a result, a
     ``LeaseError`` is an error result with the same body as over HTTP. With
-    ``limits``, the call first spends what an HTTP request of the same
-    operation and body would (``Limits.enforce``), for the client address of the
-    ASGI ``scope`` of the HTTP request (``"unknown"`` without one); a refusal is
-    the ``rate_limited`` error.
+    ``limits``, the call spends what an HTTP request of the same operation and
+    body would, at the same points (the address before anything else, the mint
+    and namespace limits once the arguments pass the checks HTTP's parser makes),
+    for the client address of the ASGI ``scope`` of the HTTP request
+    (``"unknown"`` without one); a refusal is the ``rate_limited`` error.
     """
     operation = TOOL_OPERATIONS.get(name)
     if operation is None:
@@ -380,11 +381,14 @@ async def call_lease_tool(
         raise MCPError(code=types.INVALID_PARAMS, message=f"Unknown tool: {name}")
     data = dict(arguments or {})
     try:
+        # In HTTP's order: the address pays for any request; the arguments are checked
+        # as HTTP's parser checks a body (depth, lone surrogates: JSON-RPC parsers do
+        # not); only then are the mint and namespace limits spent.
         if limits is not None:
-            limits.enforce(scope or {}, operation, data)
-        # HTTP checks depth and lone surrogates while parsing the body; JSON-RPC
-        # parsers do not, so the same check runs here.
+            limits.enforce_address(scope or {})
         check_tree(data)
+        if limits is not None:
+            limits.enforce(scope or {}, operation, data, address=False)
         reply = await service.handle(operation, data)
         return _result(reply.plain(), reply.json_bytes(), is_error=False)
     except LeaseError as error:
