@@ -284,22 +284,31 @@ def test_a_request_from_another_event_loop_is_decided_on_the_stores_loop(
     tmp_path: Path,
 ) -> None:
     """The store decides on the loop that opened it; a caller on another thread's loop
-    is forwarded there and gets its answer back."""
+    is forwarded there and gets its answer back, and may close the store from there."""
     clock = FakeClock()
     answers: list[object] = []
 
     async def main() -> None:
-        store = SqliteStore(tmp_path / "t.db", clock)
+        store = SqliteStore(tmp_path / "t.db", clock, timeout_seconds=1.0)
         await store.open()
 
-        def elsewhere() -> None:
-            decision = asyncio.run(store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE)))
+        async def apply_and_close() -> None:
+            decision = await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
             answers.append(decision.outcome)
+            await store.close()
 
-        thread = threading.Thread(target=elsewhere)
+        queued = [
+            asyncio.ensure_future(store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE)))
+            for _ in range(20)
+        ]
+        thread = threading.Thread(target=asyncio.run, args=(apply_and_close(),))
         thread.start()
         await asyncio.get_running_loop().run_in_executor(None, thread.join)
-        await store.close()
+        outcomes = [(await f).outcome for f in queued]
+        assert all(isinstance(outcome, Granted) for outcome in outcomes)
+        with pytest.raises(ServiceUnavailable):
+            await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        assert store.fencing_counter() == 21
 
     asyncio.run(main())
     assert len(answers) == 1 and isinstance(answers[0], Granted)

@@ -186,11 +186,19 @@ class SqliteStore:
 
     async def close(self) -> None:
         """Refuse new requests, answer every queued one, then stop the thread."""
+        store_loop = self._loop
+        if (
+            store_loop is not None
+            and store_loop is not asyncio.get_running_loop()
+            and store_loop.is_running()
+        ):  # the loop that uses the connection closes it
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.close(), store_loop))
+            return
         async with self._open_lock:
             thread, self._thread = self._thread, None
             if thread is None:
                 return
-            if asyncio.get_running_loop() is self._loop:
+            if store_loop is asyncio.get_running_loop():
                 await self._idle.wait()
             self._jobs.put(None)
             await asyncio.get_running_loop().run_in_executor(None, thread.join)
@@ -315,7 +323,9 @@ class SqliteStore:
                 error = InternalError()
             else:
                 raise
-            self._finished([(op, error) for op in batch])
+            for op in batch:
+                settle(op.future, error)
+            asyncio.get_running_loop().call_soon(self._next)  # not recursion: a new turn
             return
         self._jobs.put((batch, results))
 
