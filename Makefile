@@ -33,6 +33,7 @@ pytest: $(STAMP)
 	$(BIN)/pytest -q -p no:cacheprovider
 
 bench: $(STAMP)  ## benchmarks (minutes); never part of `make test`
+	$(BIN)/pip install --quiet -e '.[bench]'
 	$(BIN)/python -m bench
 
 soak: $(STAMP)  ## long fault and contention runs (minutes)

@@ -9,5 +9,6 @@ expired records under load, and etcd 3.4 as a peer. See README, "Performance".
 
 Modules: ``_driver`` (the command line and the plan), ``_procs`` (processes,
 their CPU time and memory), ``_wrk`` (one wrk run), ``_stores`` (fresh stores,
-bulk pre-filling), ``_report`` (the table), ``_reference`` (the empty endpoint).
+bulk pre-filling), ``_report`` (the table), ``_plot`` (the picture), ``_reference`` (the
+empty endpoint).
 """

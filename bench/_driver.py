@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from bench import _report
+from bench import _plot, _report
 from bench._procs import Process, start_etcd, start_leasekeeper, start_reference
 from bench._stores import PostgresTarget, SqliteTarget, StoreTarget, Unavailable
 from bench._wrk import Run, run_wrk
@@ -177,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(_report.render(results))
     print(f"\nresults: {out}")
+    try:
+        print(f"plot: {_plot.plot(results, out.with_suffix('.png'))}")
+    except ImportError:
+        print("plot: skipped, matplotlib is not installed (pip install -e '.[bench]')")
     return 0
 
 
