@@ -635,6 +635,19 @@ def test_mcp_calls_past_the_address_burst_are_rate_limited_as_over_http(
         same_429_then_free(client, era, monotonic, reply, other)
 
 
+def third_is_rate_limited(
+    client: TestClient, era: str, last: str, operation: str, data: dict[str, Any]
+) -> None:
+    """The request after a shared burst is refused as rate_limited, whether it comes over
+    HTTP (429) or, as the tool ``{operation}_lease``, over MCP."""
+    if last == "http":
+        third = lease_over_http(client, operation, **data)
+        assert third.status_code == 429
+        assert third.json()["status"] == "rate_limited"
+    else:
+        refused(call_over_mcp(client, era, f"{operation}_lease", data), "rate_limited")
+
+
 @pytest.mark.parametrize("era", ERAS)
 @pytest.mark.parametrize("last", ["http", "mcp"])
 def test_http_and_mcp_requests_from_one_address_share_one_bucket(
@@ -647,12 +660,7 @@ def test_http_and_mcp_requests_from_one_address_share_one_bucket(
         lease = {"key": secrets.token_urlsafe(32)}
         assert lease_over_http(client, "acquire", **lease).status_code == 201
         refused(call_over_mcp(client, era, "acquire_lease", lease), "held")
-        if last == "http":
-            third = lease_over_http(client, "acquire", **lease)
-            assert third.status_code == 429
-            assert third.json()["status"] == "rate_limited"
-        else:
-            refused(call_over_mcp(client, era, "acquire_lease", lease), "rate_limited")
+        third_is_rate_limited(client, era, last, "acquire", lease)
 
 
 @pytest.mark.parametrize("era", ERAS)
@@ -700,12 +708,7 @@ def test_http_and_mcp_requests_for_one_namespace_share_one_bucket(
         token = lease_over_http(client, "acquire", **lease).json()["owner_token"]
         owned = {**lease, "owner_token": token}
         ok(call_over_mcp(client, era, "renew_lease", owned))
-        if last == "http":
-            third = lease_over_http(client, "renew", **owned)
-            assert third.status_code == 429
-            assert third.json()["status"] == "rate_limited"
-        else:
-            refused(call_over_mcp(client, era, "renew_lease", owned), "rate_limited")
+        third_is_rate_limited(client, era, last, "renew", owned)
         ok(call_over_mcp(client, era, "acquire_lease", {"namespace": cold, "key": "job"}))
         assert lease_over_http(client, "acquire", namespace=cold, key="j2").status_code == 201
 
