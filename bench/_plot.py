@@ -42,17 +42,10 @@ def series(results: dict[str, Any]) -> dict[str, Any]:
             window["p99"].append(run["p99_ms"])
             continue
         value = _report.ratio(run, refs)
-        if value is not None and workload != "etcd_acquire":
+        if value is not None:  # etcd has no reference of its own, so no ratio
             ratios.setdefault(target, {})[workload] = value
     for store, window in cleanup.items():
-        normal = next(
-            (
-                r
-                for r in runs
-                if (r["target"], r["workload"], r["connections"]) == (store, "acquire", 64)
-            ),
-            None,
-        )
+        normal = _report._find(runs, store, "acquire", 64)
         window["limit"] = 2 * normal["p99_ms"] if normal else None
     return {"ratios": ratios, "cleanup": cleanup}
 
