@@ -168,15 +168,18 @@ _INSERT_MANY: Final = (
 # for every row of a sequential scan instead. Measured on 1M live and 100k finished
 # records: a step took 4.2 ms at the median and the last step of a cleanup, which finds
 # fewer than it may delete, 762 ms (a scan of the whole table); now 3.6 and 11 ms.
+# The rows are deleted where the subquery found and locked them (their ctid, which a
+# held lock keeps in place until the statement ends), not looked up again one by one
+# in the primary key: a step of 200 of 1M expired records ran in 1.7 ms, now 0.3 ms.
 _PURGE_AT_DB_NOW: Final = (
-    "DELETE FROM leasekeeper_leases WHERE key_id IN (SELECT key_id FROM leasekeeper_leases "  # noqa: S608 - module constants only
+    "DELETE FROM leasekeeper_leases WHERE ctid = ANY(ARRAY(SELECT ctid FROM leasekeeper_leases "  # noqa: S608 - module constants only
     f"WHERE absolute_expires_ms <= (SELECT {_DB_NOW_MS}) "
-    "ORDER BY absolute_expires_ms LIMIT %s FOR UPDATE SKIP LOCKED)"
+    "ORDER BY absolute_expires_ms LIMIT %s FOR UPDATE SKIP LOCKED))"
 )
 _PURGE_AT: Final = (
-    "DELETE FROM leasekeeper_leases WHERE key_id IN (SELECT key_id FROM leasekeeper_leases "
+    "DELETE FROM leasekeeper_leases WHERE ctid = ANY(ARRAY(SELECT ctid FROM leasekeeper_leases "
     "WHERE absolute_expires_ms <= %s ORDER BY absolute_expires_ms LIMIT %s "
-    "FOR UPDATE SKIP LOCKED)"
+    "FOR UPDATE SKIP LOCKED))"
 )
 _PING: Final = "SELECT 1 FROM leasekeeper_leases LIMIT 0"
 # Leases held at the store's now: the same definition as the other stores. A plain
