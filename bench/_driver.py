@@ -275,7 +275,7 @@ class Bench:
             began = time.monotonic()
             for window in range(plan.cleanup_windows):
                 run = self._run(
-                    server, name, "acquire", plan.connections, None, plan.cleanup_window
+                    server, name, "acquire", plan.connections, None, plan.cleanup_window, True
                 )
                 left = target.expired(url)
                 run.extra.update(
@@ -347,6 +347,7 @@ class Bench:
         connections: int,
         holders: tuple[str, Path] | None,
         seconds: int | None = None,
+        quantiles: bool = False,
     ) -> Run:
         if seconds is None:
             seconds = self.plan.seconds if connections > 1 else self.plan.seconds_one
@@ -359,7 +360,7 @@ class Bench:
             if holders is None:
                 raise RuntimeError("the heartbeat workload needs holders")
             args = [args[0], holders[0], str(holders[1]), str(connections)]
-        return self._wrk(server, target, workload, connections, seconds, args)
+        return self._wrk(server, target, workload, connections, seconds, args, None, quantiles)
 
     def _wrk(
         self,
@@ -370,6 +371,7 @@ class Bench:
         seconds: int,
         args: list[str],
         ops_counter: str | None = None,
+        quantiles: bool = False,
     ) -> Run:
         run = run_wrk(
             self.wrk,
@@ -381,6 +383,7 @@ class Bench:
             seconds=seconds,
             args=args,
             ops_counter=ops_counter,
+            quantiles=quantiles,
         )
         if target != "warm-up":
             print("   " + _report.line(run))

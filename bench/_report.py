@@ -55,6 +55,50 @@ def ratio(run: dict[str, Any], refs: dict[tuple[str, int], float]) -> float | No
     return run["ops_per_s"] / reference if reference else None
 
 
+def percentile(runs: Runs, p: float) -> float:
+    """The ``p``-th percentile latency in ms of all the runs' requests together, as wrk
+    would have given it for one run of them all.
+
+    Each run kept its quantiles (``Run.quantiles``: wrk's latency at the percentiles
+    0.5 to 99 in steps of 0.5, 99.01 to 99.99 in steps of 0.01, and its maximum at
+    100). wrk's ``q`` at percentile ``k`` of ``n`` requests is the latency of a
+    request of rank at least ``k * n / 100``, so a run has at least
+    ``floor(k * n / 100)`` requests at or below any latency from ``q`` up. The answer
+    is the lowest latency that any run reported at which these counts reach wrk's rank
+    for ``p`` of all requests: never below the true value, and above it by at most
+    one grid step (half a percent of the requests, or a hundredth in the tail) and one
+    request of each run.
+    """
+    if not runs or not all(run.get("quantiles") for run in runs):
+        raise ValueError("every run needs its quantiles")
+    total = sum(run["requests"] for run in runs)
+    # Percentiles in hundredths, so that the ranks are exact integers.
+    need = min(total, round(p * 100) * total // 10_000 + 1)
+    grids = [
+        (run["requests"], [(round(k * 100), us) for k, us in run["quantiles"]]) for run in runs
+    ]
+
+    def at_or_below(v: float) -> int:  # a lower bound of the requests at or below v
+        found = 0
+        for n, grid in grids:
+            reached = max((k for k, us in grid if us <= v), default=0)
+            if reached == 10_000:
+                found += n
+            else:
+                found += reached * n // 10_000
+        return found
+
+    candidates = sorted({us for _, grid in grids for _, us in grid})
+    low, high = 0, len(candidates) - 1  # at_or_below() rises with v: the first to reach
+    while low < high:
+        middle = (low + high) // 2
+        if at_or_below(candidates[middle]) >= need:
+            high = middle
+        else:
+            low = middle + 1
+    return float(candidates[low]) / 1000
+
+
 def _find(runs: Runs, target: str, workload: str, connections: int) -> dict[str, Any] | None:
     for run in runs:
         if (run["target"], run["workload"], run["connections"]) == (target, workload, connections):
@@ -112,6 +156,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         if windows and normal:
             worst = max(r["p99_ms"] for r in windows)
             median = statistics.median(r["p99_ms"] for r in windows)
+            longest = max(r["max_ms"] for r in windows)
             # For context only: the same store, as large, with no cleanup running.
             grown = next(
                 (
@@ -122,12 +167,23 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 None,
             )
             context = f"; {grown['target']}, no cleanup: {grown['p99_ms']:.1f} ms" if grown else ""
+            windowed = (
+                f"windows of {windows[0]['seconds']:.0f} s: median p99 {median:.1f}, "
+                f"worst {worst:.1f}; longest request {longest:.0f} ms"
+            )
+            if all(r.get("quantiles") for r in windows):
+                # The issue's measure: the p99 of every acquire made during the cleanup.
+                during = percentile(windows, 99)
+                measured = f"{during:.1f} ms over the whole cleanup"
+            else:  # results from before quantiles were kept: the worst window stands in
+                during = worst
+                measured = f"{worst:.1f} ms worst window"
             add(
                 f"{store} p99 during cleanup",
-                f"{worst:.1f} ms worst window (median {median:.1f}) vs {normal['p99_ms']:.1f} ms "
-                f"normal ({worst / normal['p99_ms']:.2f}x){context}",
+                f"{measured} vs {normal['p99_ms']:.1f} ms normal "
+                f"({during / normal['p99_ms']:.2f}x; {windowed}){context}",
                 "<= 2x",
-                worst <= 2 * normal["p99_ms"],
+                during <= 2 * normal["p99_ms"],
             )
     etcd = _find(runs, "etcd", "etcd_acquire", 64)
     if etcd is not None:

@@ -51,6 +51,9 @@ class Run:
     counters: dict[str, int]
     errors: int
     extra: dict[str, Any] = field(default_factory=dict)
+    #: [percentile, latency µs] pairs (``lua/common.lua``), kept only when asked for
+    #: (``run_wrk(quantiles=True)``): runs are merged with ``_report.percentile``.
+    quantiles: list[list[float]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -67,12 +70,14 @@ def run_wrk(
     seconds: int,
     args: Sequence[str],
     ops_counter: str | None = None,
+    quantiles: bool = False,
 ) -> Run:
     """Run ``bench/lua/<script>.lua`` against ``process.url + path``.
 
     wrk gets one thread per connection (see ``lua/common.lua``). ``ops_counter``
     names the Lua counter that counts operations when an operation is not one
     request (etcd's acquire is two); by default every request is one operation.
+    ``quantiles`` keeps the run's latency quantiles in the result.
     """
     argv = [
         wrk,
@@ -131,4 +136,5 @@ def run_wrk(
         statuses=statuses,
         counters=named,
         errors=unexpected + socket_errors,
+        quantiles=data["quantiles"] if quantiles else [],
     )

@@ -44,5 +44,5 @@ def test_ratios_per_store_and_cleanup_windows_against_twice_the_normal_p99() -> 
         "sqlite+1000000": {"acquire": 0.4},
     }
     assert picked["cleanup"] == {
-        "sqlite": {"elapsed": [4.0, 8.0], "p99": [12.0, 17.0], "limit": 16.0}
+        "sqlite": {"elapsed": [4.0, 8.0], "p99": [12.0, 17.0], "overall": None, "limit": 16.0}
     }

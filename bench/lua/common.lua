@@ -7,8 +7,8 @@
 --
 -- Arguments after `--`: a run tag, a namespace, then script-specific values.
 -- Every script calls tally(status) in response(); done() prints one line
--- "BENCH_JSON {...}" with wrk's summary, latency percentiles and the merged
--- per-thread counters, which the driver parses.
+-- "BENCH_JSON {...}" with wrk's summary, latency percentiles, the merged
+-- per-thread counters and latency quantiles, which the driver parses.
 
 local threads = {}
 
@@ -59,6 +59,22 @@ function base64(data)
    end) .. ({ "", "==", "=" })[#data % 3 + 1])
 end
 
+-- The latency at percentiles 0.5, 1, ..., 99, 99.01, ..., 99.99 and 100, as
+-- "[percentile,us],...": enough of each run's distribution for the driver to
+-- merge runs (the cleanup's p99 is taken over all of its windows together).
+-- wrk 4.1 gives scripts its percentiles but not its per-microsecond counts.
+function quantiles(latency)
+   local parts = {}
+   local function add(p)
+      table.insert(parts, string.format("[%g,%d]", p, latency:percentile(p)))
+   end
+   for i = 1, 198 do add(i / 2) end
+   for i = 9901, 9999 do add(i / 100) end
+   -- percentile(100) is 0 in wrk 4.1 (its rank is past the last request)
+   table.insert(parts, string.format("[100,%d]", latency.max))
+   return table.concat(parts, ",")
+end
+
 function done(summary, latency, requests)
    local merged = {}
    for _, thread in ipairs(threads) do
@@ -76,10 +92,10 @@ function done(summary, latency, requests)
       'BENCH_JSON {"requests":%d,"duration_us":%d,"bytes":%d,' ..
       '"errors":{"connect":%d,"read":%d,"write":%d,"status":%d,"timeout":%d},' ..
       '"latency_us":{"min":%d,"mean":%.1f,"p50":%d,"p90":%d,"p99":%d,"p999":%d,"max":%d},' ..
-      '"counters":{%s}}\n',
+      '"counters":{%s},"quantiles":[%s]}\n',
       summary.requests, summary.duration, summary.bytes,
       e.connect, e.read, e.write, e.status, e.timeout,
       latency.min, latency.mean, latency:percentile(50), latency:percentile(90),
       latency:percentile(99), latency:percentile(99.9), latency.max,
-      table.concat(parts, ",")))
+      table.concat(parts, ","), quantiles(latency)))
 end

@@ -1,0 +1,110 @@
+"""The bench's p99 during a cleanup is taken over all of its windows together
+(``bench._report.percentile``), from the quantiles each wrk run reports."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from bench._plot import series
+from bench._report import percentile, targets
+from hypothesis import given
+from hypothesis import strategies as st
+
+#: The percentiles ``lua/common.lua`` reports, 100 (wrk's max) included.
+GRID = [i / 2 for i in range(1, 199)] + [i / 100 for i in range(9901, 10000)] + [100.0]
+
+
+def wrk_percentile(latencies: list[int], p: float) -> int:
+    """wrk 4.1's stats_percentile over sorted latencies: the first whose rank reaches
+    round(p / 100 * count + 0.5), C's round going half away from zero."""
+    rank = math.floor(p / 100 * len(latencies) + 0.5 + 0.5)
+    return latencies[min(rank, len(latencies)) - 1]
+
+
+def window(latencies: list[int], **fields: Any) -> dict[str, Any]:
+    ordered = sorted(latencies)
+    quantiles = [[p, wrk_percentile(ordered, p)] for p in GRID[:-1]] + [[100.0, ordered[-1]]]
+    return {"requests": len(ordered), "quantiles": quantiles, **fields}
+
+
+def test_one_run_gives_its_own_percentile_or_the_next_on_the_grid() -> None:
+    latencies = list(range(1_000, 101_000, 10))  # 10,000 requests, 1 to 101 ms
+    run = window(latencies)
+    for p, step in ((50.0, 0.5), (99.0, 0.01), (99.9, 0.01)):
+        assert percentile([run], p) in (
+            wrk_percentile(latencies, p) / 1000,
+            wrk_percentile(latencies, p + step) / 1000,
+        )
+    assert percentile([run], 100) == 100.99
+
+
+def test_a_bad_window_among_good_ones_weighs_by_its_requests() -> None:
+    """Nine windows of 1,000 requests at 10 ms and one whose last 50 took 80 ms: the
+    worst window's p99 is 80 ms, but over the whole cleanup only 0.5 % of requests
+    took more than 10 ms, so the p99 of all of them is 10 ms."""
+    good = [window([10_000] * 1_000) for _ in range(9)]
+    bad = window([10_000] * 950 + [80_000] * 50)
+    assert percentile([bad], 99) == 80.0
+    assert percentile([*good, bad], 99) == 10.0
+    assert percentile([*good, bad], 99.9) == 80.0
+
+
+@given(
+    st.lists(
+        st.lists(st.integers(min_value=100, max_value=200_000), min_size=1, max_size=400),
+        min_size=1,
+        max_size=6,
+    ),
+    st.sampled_from([50.0, 90.0, 99.0, 99.9]),
+)
+def test_the_merged_percentile_never_reads_low_and_errs_by_at_most_a_grid_step(
+    runs: list[list[int]], p: float
+) -> None:
+    """Never below wrk's percentile of all the requests in one run; above it by at most
+    half a percent of them and one request of each run."""
+    everything = sorted(x for run in runs for x in run)
+    estimate = percentile([window(run) for run in runs], p)
+    assert estimate >= wrk_percentile(everything, p) / 1000
+    slack = 0.5 + 100 * len(runs) / len(everything)
+    assert estimate <= wrk_percentile(everything, min(100.0, p + slack)) / 1000
+
+
+def cleanup_results(windows: list[dict[str, Any]]) -> dict[str, Any]:
+    normal = {"target": "sqlite", "workload": "acquire", "connections": 64, "p99_ms": 10.0}
+    normal.update(ops_per_s=1.0, errors=0)
+    return {"machine": {}, "sections": [{"runs": [normal, *windows]}]}
+
+
+def cleanup_windows(quantiles: bool) -> list[dict[str, Any]]:
+    runs = [window([10_000] * 1_000) for _ in range(9)] + [window([10_000] * 950 + [80_000] * 50)]
+    for i, run in enumerate(runs):
+        run.update(target="sqlite:cleanup", workload="acquire", connections=64, seconds=4.0)
+        run.update(p99_ms=percentile([run], 99), max_ms=run["quantiles"][-1][1] / 1000, window=i)
+        if not quantiles:
+            del run["quantiles"]
+    return runs
+
+
+def test_the_cleanup_target_is_the_p99_over_every_window() -> None:
+    (found,) = [
+        t for t in targets(cleanup_results(cleanup_windows(True))) if "cleanup" in t["target"]
+    ]
+    assert found["met"], found
+    assert found["measured"].startswith("10.0 ms over the whole cleanup vs 10.0 ms normal (1.00x")
+    assert "worst 80.0; longest request 80 ms" in found["measured"]
+
+
+def test_results_without_quantiles_fall_back_to_the_worst_window() -> None:
+    (found,) = [
+        t for t in targets(cleanup_results(cleanup_windows(False))) if "cleanup" in t["target"]
+    ]
+    assert not found["met"], found
+    assert found["measured"].startswith("80.0 ms worst window vs 10.0 ms normal (8.00x")
+
+
+def test_the_plot_marks_the_p99_of_the_whole_cleanup() -> None:
+    picked = series(cleanup_results(cleanup_windows(True)))["cleanup"]["sqlite"]
+    assert picked["overall"] == 10.0
+    assert max(picked["p99"]) == 80.0
+    assert picked["limit"] == 20.0
