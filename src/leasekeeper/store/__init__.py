@@ -80,7 +80,7 @@ def _postgres_store(
 ) -> Store:
     # Imported here: psycopg is an optional dependency (``leasekeeper[postgres]``).
     try:
-        from leasekeeper.store._postgres import PostgresStore
+        from leasekeeper.store._postgres import DEFAULT_POOL_SIZE, PostgresStore
     except ImportError as exc:
         raise StoreURLError(
             "the PostgreSQL store needs psycopg and psycopg-pool: "
@@ -88,9 +88,8 @@ def _postgres_store(
         ) from exc
     # libpq knows the scheme only in lower case.
     url = "postgresql" + url[url.index("://") :]
+    max_size = DEFAULT_POOL_SIZE if pool_size is None else pool_size
     try:
-        if pool_size is None:
-            return PostgresStore(url, clock=clock, timeout_seconds=timeout_seconds)
-        return PostgresStore(url, clock=clock, timeout_seconds=timeout_seconds, max_size=pool_size)
+        return PostgresStore(url, clock=clock, timeout_seconds=timeout_seconds, max_size=max_size)
     except ValueError as exc:
         raise StoreURLError(f"PostgreSQL store: {exc}") from None

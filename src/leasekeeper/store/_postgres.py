@@ -63,7 +63,7 @@ from leasekeeper._core.model import Command, Decision, LeaseRecord
 from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
 from leasekeeper.store._base import Purged, decide_in_turn, expire, settle
 
-__all__ = ["SCHEMA_VERSION", "PostgresStore"]
+__all__ = ["DEFAULT_POOL_SIZE", "SCHEMA_VERSION", "PostgresStore"]
 
 log = logging.getLogger("leasekeeper.store.postgres")
 
@@ -196,6 +196,9 @@ _COUNT_LIVE_AT: Final = (
     "SELECT count(*) FROM leasekeeper_leases WHERE owner IS NOT NULL AND lease_expires_ms > %s"
 )
 
+#: Connections a store opens at most, unless told otherwise (``max_size``).
+DEFAULT_POOL_SIZE: Final = 10
+
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}\Z")
 # Errors after which the same transaction, run again, may well succeed.
 _TRANSIENT = (pg_errors.SerializationFailure, pg_errors.DeadlockDetected)
@@ -263,7 +266,7 @@ class PostgresStore:
         schema: str | None = None,
         application_name: str | None = None,
         min_size: int = 1,
-        max_size: int = 10,
+        max_size: int = DEFAULT_POOL_SIZE,
         max_batch: int = 256,
         max_batches: int = 4,
     ) -> None:
