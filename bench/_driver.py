@@ -64,7 +64,7 @@ class Plan:
     def make(cls, quick: bool, records: int | None) -> Plan:
         if quick:
             return cls(2, 1, 1, records or 100_000, 1_000, 2, 15)
-        return cls(8, 4, 2, records or 1_000_000, 10_000, 4, 30)
+        return cls(8, 4, 2, records or 1_000_000, 10_000, 4, 60)
 
 
 @dataclass
