@@ -22,6 +22,11 @@ from bench import _report
 
 #: The issue's ratio targets (64 connections), for the lines on the first panel.
 RATIO_TARGETS = {"sqlite": 0.50, "postgresql": 0.25}
+#: The second panel's lines for each store: (key in ``series``' cleanup, style, label).
+_CLEANUP_LINES = (
+    ("overall", ":", "p99 of the whole cleanup"),
+    ("limit", "--", "twice the normal p99"),
+)
 
 
 def series(results: dict[str, Any]) -> dict[str, Any]:
@@ -92,23 +97,15 @@ def plot(results: dict[str, Any], path: Path) -> Path:
         windows.plot(
             window["elapsed"], window["p99"], marker="o", label=f"{store} p99", color=colour
         )
-        if window["overall"] is not None:
-            windows.axhline(
-                window["overall"],
-                linestyle=":",
-                color=colour,
-                label=f"{store}: p99 of the whole cleanup",
-            )
-        if window["limit"] is not None:
-            windows.axhline(
-                window["limit"],
-                linestyle="--",
-                color=colour,
-                label=f"{store}: twice the normal p99",
-            )
+        for key, style, what in _CLEANUP_LINES:
+            if window[key] is not None:
+                windows.axhline(
+                    window[key], linestyle=style, color=colour, label=f"{store}: {what}"
+                )
     windows.set_xlabel("seconds since the cleanup started")
     windows.set_ylabel("p99 of acquires in the window, ms")
-    windows.set_title("During a cleanup of expired records (4-second windows)")
+    seconds = results.get("plan", {}).get("cleanup_window", 4)
+    windows.set_title(f"During a cleanup of expired records ({seconds}-second windows)")
     windows.set_ylim(bottom=0)
     if data["cleanup"]:
         windows.legend(fontsize=8)
