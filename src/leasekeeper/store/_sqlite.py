@@ -119,6 +119,11 @@ _PURGE = "DELETE FROM leases WHERE key_id > ? AND key_id <= ? AND absolute_expir
 _Task = Callable[[sqlite3.Connection], Any]
 
 
+def _write_failed() -> ServiceUnavailable:
+    """What a request gets when SQLite refused its batch's transaction (logged apart)."""
+    return ServiceUnavailable("The lease store could not complete the write")
+
+
 @dataclass(slots=True)
 class _Op:
     """One request for the connection: a lease ``command``, or else a ``task``."""
@@ -315,9 +320,7 @@ class SqliteStore:
                 conn.execute("ROLLBACK")
             if isinstance(exc, sqlite3.Error):
                 log.error("SQLite batch failed, %d operations refused: %s", len(batch), exc)
-                error: LeaseError = ServiceUnavailable(
-                    "The lease store could not complete the write"
-                )
+                error: LeaseError = _write_failed()
             elif isinstance(exc, Exception):  # a bug: its waiters must not hang
                 log.exception("SQLite batch of %d operations failed", len(batch))
                 error = InternalError()
@@ -381,7 +384,7 @@ class SqliteStore:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             log.error("SQLite commit failed, %d operations refused: %s", len(results), exc)
-            error = ServiceUnavailable("The lease store could not complete the write")
+            error = _write_failed()
             return [(op, error) for op, _ in results]
         return results
 
@@ -444,7 +447,7 @@ class SqliteStore:
                 raise
         except sqlite3.Error as exc:
             log.error("SQLite transaction failed, %d operations refused: %s", len(batch), exc)
-            error = ServiceUnavailable("The lease store could not complete the write")
+            error = _write_failed()
             results = [(op, error) for op in batch]
         return results
 
