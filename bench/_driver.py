@@ -8,8 +8,10 @@ For each store (one server process each, a fresh database each)::
     1,000,000 over   a server whose cleanup starts after 1 s; acquire at 64 conns in
                      windows until the cleanup has deleted every record
 
-then etcd 3.4 (acquire at 64 and 1 connections). The ratio of a run is its rate over
-the reference's rate measured around it (the mean of the runs before and after).
+then the memory store (the empty-store runs only: the ceiling the durable stores are
+measured against, ``MemoryTarget``), then etcd 3.4 (acquire at 64 and 1 connections).
+The ratio of a run is its rate over the reference's rate measured around it (the mean
+of the runs before and after).
 """
 
 from __future__ import annotations
@@ -36,11 +38,18 @@ import httpx
 
 from bench import _plot, _report
 from bench._procs import Process, start_etcd, start_leasekeeper, start_reference
-from bench._stores import PostgresTarget, SqliteTarget, StoreTarget, Unavailable
+from bench._stores import (
+    MemoryTarget,
+    PostgresTarget,
+    SqliteTarget,
+    StoreTarget,
+    Unavailable,
+)
 from bench._wrk import Run, run_wrk
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("acquire", "idempotency", "cycle", "contention", "heartbeat")
+STORES = ("sqlite", "postgresql", "memory")
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
 APT = "apt-get install -y wrk etcd-server"
 
@@ -86,7 +95,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--stores",
         default=None,
-        help="comma-separated: sqlite,postgresql (default: both; sqlite with --quick)",
+        help="comma-separated: sqlite,postgresql,memory (default: all three; sqlite with "
+        "--quick). memory is the ceiling: the same server with no durable store",
     )
     parser.add_argument(
         "--postgres-url",
@@ -112,11 +122,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     plan = Plan.make(args.quick, args.records)
-    stores = (args.stores or ("sqlite" if args.quick else "sqlite,postgresql")).split(",")
+    stores = (args.stores or ("sqlite" if args.quick else ",".join(STORES))).split(",")
     workloads = [w for w in args.only.split(",") if w]
-    unknown = [w for w in workloads if w not in WORKLOADS] + [
-        s for s in stores if s not in ("sqlite", "postgresql")
-    ]
+    unknown = [w for w in workloads if w not in WORKLOADS] + [s for s in stores if s not in STORES]
     if unknown:
         print(f"unknown workloads or stores: {', '.join(unknown)}", file=sys.stderr)
         return 2
@@ -191,6 +199,9 @@ def _target(
     if name == "sqlite":
         yield SqliteTarget(workdir), ""
         return
+    if name == "memory":
+        yield MemoryTarget(), ""
+        return
     try:
         target = PostgresTarget(postgres_url)
     except Unavailable as exc:
@@ -250,6 +261,7 @@ class Bench:
             seconds = _timed(lambda: target.prefill(url, plan.records, expired=False))
         except Unavailable as exc:
             section.notes.append(f"growth: {exc}")
+            print(f"   skipped: {exc}")
             target.discard(url)
             return
         print(f"   pre-filled {plan.records:,} records in {seconds:.1f} s")

@@ -169,6 +169,30 @@ class SqliteTarget:
             Path(f"{self._path(url)}{suffix}").unlink(missing_ok=True)
 
 
+class MemoryTarget:
+    """The same server on the memory store (``memory://``), which writes nothing down.
+
+    Not a store anyone should run: it is the ceiling of the others. Its ratio is what
+    the server costs with no durable store under it (HTTP, validation, the tokens'
+    HMACs, the rules, the reply), so a store's distance below it is what its
+    durability costs. It keeps nothing to pre-fill, so it has no growth or cleanup runs.
+    """
+
+    name = "memory"
+
+    def fresh(self) -> str:
+        return "memory://"
+
+    def prefill(self, url: str, count: int, *, expired: bool) -> None:
+        raise Unavailable("the memory store keeps no records to grow or clean up")
+
+    def expired(self, url: str) -> int:
+        return 0
+
+    def discard(self, url: str) -> None:
+        return None
+
+
 class PostgresTarget:
     """A schema of its own per store (``bench_<random>``), dropped afterwards."""
 

@@ -108,3 +108,39 @@ def test_the_plot_marks_the_p99_of_the_whole_cleanup() -> None:
     assert picked["overall"] == 10.0
     assert max(picked["p99"]) == 80.0
     assert picked["limit"] == 20.0
+
+
+def acquire_run(target: str, ops: float, connections: int = 64) -> dict[str, Any]:
+    workload = "reference" if "@" in target else "acquire"
+    return {
+        "target": target,
+        "workload": workload,
+        "connections": connections,
+        "ops_per_s": ops,
+        "p99_ms": 9.0,
+        "errors": 0,
+    }
+
+
+def test_the_acquire_targets_quote_the_memory_store_beside_their_own_ratio() -> None:
+    """Each ratio is over the reference measured around its own store's runs."""
+    runs = [
+        acquire_run("reference@sqlite", 20_000),
+        acquire_run("sqlite", 7_000),
+        acquire_run("reference@memory", 18_000),
+        acquire_run("memory", 9_000),
+    ]
+    found = {t["target"]: t for t in targets({"machine": {}, "sections": [{"runs": runs}]})}
+    sqlite = found["sqlite acquire, 64 connections"]
+    assert sqlite["measured"] == (
+        "ratio 0.35, p99 9.0 ms; the memory store, which writes nothing: 0.50"
+    )
+    assert not sqlite["met"]
+    assert not any(name.startswith("memory") for name in found)  # no target of its own
+
+
+def test_without_a_memory_run_the_acquire_target_is_its_ratio_alone() -> None:
+    runs = [acquire_run("reference@sqlite", 20_000), acquire_run("sqlite", 10_000)]
+    (found,) = targets({"machine": {}, "sections": [{"runs": runs}]})
+    assert found["measured"] == "ratio 0.50, p99 9.0 ms"
+    assert found["met"]
