@@ -312,3 +312,50 @@ def test_a_request_from_another_event_loop_is_decided_on_the_stores_loop(
 
     asyncio.run(main())
     assert len(answers) == 1 and isinstance(answers[0], Granted)
+
+
+def test_a_close_from_another_event_loop_waits_for_the_batches_in_flight(
+    tmp_path: Path,
+) -> None:
+    """Closed from another thread's loop while one batch waits on the thread for a write
+    lock held elsewhere and another is queued behind it: the close is carried out on the
+    store's own loop, so both batches are decided and committed before the connection
+    closes. (Closed where it was called, the thread would stop after the first batch
+    and the second would meet a closed connection.)"""
+    path = tmp_path / "f.db"
+    clock = FakeClock()
+
+    def acquire(store: SqliteStore) -> asyncio.Future[Any]:
+        return asyncio.ensure_future(store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE)))
+
+    async def main() -> None:
+        store = SqliteStore(path, clock, timeout_seconds=5.0)
+        await store.open()
+        with contextlib.closing(
+            sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        ) as other:
+            other.execute("BEGIN IMMEDIATE")
+            first = [acquire(store) for _ in range(20)]
+            for _ in range(3):  # the requests queue, then the batch goes to the thread
+                await asyncio.sleep(0)
+            assert not store._pending  # the first batch is on the thread, waiting
+            second = [acquire(store) for _ in range(20)]
+            await asyncio.sleep(0)
+            assert len(store._pending) == 20  # queued behind it
+
+            async def close_then_free_the_lock() -> None:
+                closing = asyncio.ensure_future(store.close())
+                await asyncio.sleep(0)  # the close has begun
+                other.execute("ROLLBACK")
+                await closing
+
+            thread = threading.Thread(target=asyncio.run, args=(close_then_free_the_lock(),))
+            thread.start()
+            await asyncio.get_running_loop().run_in_executor(None, thread.join)
+        outcomes = [(await f).outcome for f in first + second]
+        assert all(isinstance(outcome, Granted) for outcome in outcomes)
+        assert store.fencing_counter() == 40
+        with pytest.raises(ServiceUnavailable):
+            await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+
+    asyncio.run(main())
