@@ -2,16 +2,18 @@
 
 For each store (one server process each, a fresh database each)::
 
-    empty store      reference 64 conns, the five workloads at 64 conns,
-                     reference 1 conn, the five workloads at 1 conn, reference 64 again
-    1,000,000 live   reference 64, the five workloads at 64 conns
+    empty store      the five workloads at 64 conns, then at 1 conn, each between two
+                     runs of the reference at as many connections
+    1,000,000 live   the five workloads at 64 conns, each between two references
     1,000,000 over   a server whose cleanup starts after 1 s; acquire at 64 conns in
                      windows until the cleanup has deleted every record
 
 then the memory store (the empty-store runs only: the ceiling the durable stores are
 measured against, ``MemoryTarget``), then etcd 3.4 (acquire at 64 and 1 connections).
-The ratio of a run is its rate over the reference's rate measured around it (the mean
-of the runs before and after).
+The ratio of a run is its rate over the reference's rate measured around it: the mean
+of the reference runs just before and just after it (``reference_ops_per_s`` in the
+run's ``extra``). A VM's speed can drift within minutes, so every workload gets its
+own pair; a cleanup window is compared with the store's empty-store references.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Plan:
 
     seconds: int  # one run at 64 connections
     seconds_one: int  # one run at 1 connection
+    seconds_reference: int  # one reference run between two workload runs
     warmup: int
     records: int  # pre-filled records for growth and cleanup
     holders: int  # leases renewed by the heartbeat workload
@@ -72,8 +75,8 @@ class Plan:
     @classmethod
     def make(cls, quick: bool, records: int | None) -> Plan:
         if quick:
-            return cls(2, 1, 1, records or 100_000, 1_000, 2, 15)
-        return cls(8, 4, 2, records or 1_000_000, 10_000, 4, 60)
+            return cls(2, 1, 1, 1, records or 100_000, 1_000, 2, 15)
+        return cls(8, 4, 4, 2, records or 1_000_000, 10_000, 4, 60)
 
 
 @dataclass
@@ -242,14 +245,9 @@ class Bench:
         with self._server(url) as server:
             holders = self._holders(server) if "heartbeat" in self.workloads else None
             self._warm(server)
-            runs = [self._reference(target.name, plan.connections, "before")]
-            runs += [
-                self._run(server, target.name, w, plan.connections, holders) for w in self.workloads
-            ]
+            runs = self._between_references(server, target.name, plan.connections, holders)
             if self.single:
-                runs.append(self._reference(target.name, 1))
-                runs += [self._run(server, target.name, w, 1, holders) for w in self.workloads]
-            runs.append(self._reference(target.name, plan.connections, "after"))
+                runs += self._between_references(server, target.name, 1, holders)
         target.discard(url)
         section.runs += runs
         if not growth:
@@ -268,12 +266,8 @@ class Bench:
         with self._server(url) as server:
             holders = self._holders(server) if "heartbeat" in self.workloads else None
             self._warm(server)
-            runs = [self._reference(f"{target.name}+{plan.records}", plan.connections)]
-            for w in self.workloads:
-                run = self._run(
-                    server, f"{target.name}+{plan.records}", w, plan.connections, holders
-                )
-                runs.append(run)
+            label = f"{target.name}+{plan.records}"
+            runs = self._between_references(server, label, plan.connections, holders)
         target.discard(url)
         section.runs += runs
 
@@ -341,15 +335,31 @@ class Bench:
     def _warm(self, server: Process) -> None:
         self._run(server, "warm-up", "acquire", self.plan.connections, None, self.plan.warmup)
 
-    def _reference(self, label: str, connections: int, when: str = "") -> Run:
-        seconds = self.plan.seconds if connections > 1 else self.plan.seconds_one
+    def _between_references(
+        self,
+        server: Process,
+        label: str,
+        connections: int,
+        holders: tuple[str, Path] | None,
+    ) -> list[Run]:
+        """The workloads on ``server``, each between two reference runs; each run's
+        ``extra["reference_ops_per_s"]`` is the mean rate of the two around it."""
+        before = self._reference(label, connections)
+        runs = [before]
+        for workload in self.workloads:
+            run = self._run(server, label, workload, connections, holders)
+            after = self._reference(label, connections)
+            run.extra["reference_ops_per_s"] = (before.ops_per_s + after.ops_per_s) / 2
+            runs += [run, after]
+            before = after
+        return runs
+
+    def _reference(self, label: str, connections: int) -> Run:
         args = [_tag(), "ns_" + "A" * 43]
-        run = self._wrk(
+        seconds = self.plan.seconds_reference
+        return self._wrk(
             self.reference, f"reference@{label}", "reference", connections, seconds, args
         )
-        if when:
-            run.extra["when"] = when
-        return run
 
     def _run(
         self,

@@ -48,7 +48,13 @@ def references(results: dict[str, Any]) -> dict[tuple[str, int], float]:
 
 
 def ratio(run: dict[str, Any], refs: dict[tuple[str, int], float]) -> float | None:
-    """The run's rate over the empty endpoint's rate measured near it."""
+    """The run's rate over the empty endpoint's rate measured near it: the two reference
+    runs around it when the driver recorded them, else (cleanup windows, reference runs,
+    and results from before runs had their own pair) the mean of the references of the
+    run's store at as many connections, ``refs``."""
+    around = run.get("extra", {}).get("reference_ops_per_s")
+    if around:
+        return float(run["ops_per_s"] / around)
     label = run["target"].partition("@")[2] or run["target"]
     label = label.partition(":")[0]  # cleanup windows compare with the store's empty runs
     reference = refs.get((label, run["connections"]))
