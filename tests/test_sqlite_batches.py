@@ -40,6 +40,11 @@ def new_id() -> bytes:
     return secrets.token_bytes(32)
 
 
+def queue_acquire(store: SqliteStore) -> asyncio.Future[Any]:
+    """An acquire of a new key on ``store``, queued now, answered later."""
+    return asyncio.ensure_future(store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE)))
+
+
 def test_commands_on_one_key_in_one_batch_see_each_other(tmp_path: Path) -> None:
     """acquire, renew, complete, then a replay: each decided on the record the previous left."""
     clock = FakeClock()
@@ -232,9 +237,7 @@ def test_a_write_lock_held_elsewhere_is_waited_for_on_the_thread_not_the_loop(
         await store.open()
         with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as other:
             other.execute("BEGIN IMMEDIATE")
-            waiting = asyncio.ensure_future(
-                store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
-            )
+            waiting = queue_acquire(store)
             # The loop is not blocked: 20 turns of 5 ms each take about 100 ms, not 2 s.
             started = time.monotonic()
             for _ in range(20):
@@ -266,10 +269,7 @@ def test_closing_answers_every_queued_request_and_refuses_new_ones(tmp_path: Pat
     async def main() -> None:
         store = SqliteStore(tmp_path / "c.db", clock)
         await store.open()
-        queued = [
-            asyncio.ensure_future(store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE)))
-            for _ in range(50)
-        ]
+        queued = [queue_acquire(store) for _ in range(50)]
         await asyncio.sleep(0)  # each request is queued
         await store.close()
         assert all(isinstance(f.result().outcome, Granted) for f in queued)
@@ -297,10 +297,7 @@ def test_a_request_from_another_event_loop_is_decided_on_the_stores_loop(
             answers.append(decision.outcome)
             await store.close()
 
-        queued = [
-            asyncio.ensure_future(store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE)))
-            for _ in range(20)
-        ]
+        queued = [queue_acquire(store) for _ in range(20)]
         thread = threading.Thread(target=asyncio.run, args=(apply_and_close(),))
         thread.start()
         await asyncio.get_running_loop().run_in_executor(None, thread.join)
@@ -325,9 +322,6 @@ def test_a_close_from_another_event_loop_waits_for_the_batches_in_flight(
     path = tmp_path / "f.db"
     clock = FakeClock()
 
-    def acquire(store: SqliteStore) -> asyncio.Future[Any]:
-        return asyncio.ensure_future(store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE)))
-
     async def main() -> None:
         store = SqliteStore(path, clock, timeout_seconds=5.0)
         await store.open()
@@ -335,11 +329,11 @@ def test_a_close_from_another_event_loop_waits_for_the_batches_in_flight(
             sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         ) as other:
             other.execute("BEGIN IMMEDIATE")
-            first = [acquire(store) for _ in range(20)]
+            first = [queue_acquire(store) for _ in range(20)]
             for _ in range(3):  # the requests queue, then the batch goes to the thread
                 await asyncio.sleep(0)
             assert not store._pending  # the first batch is on the thread, waiting
-            second = [acquire(store) for _ in range(20)]
+            second = [queue_acquire(store) for _ in range(20)]
             await asyncio.sleep(0)
             assert len(store._pending) == 20  # queued behind it
 
