@@ -307,6 +307,8 @@ class TestStrictJson:
             (b"\xff\xfe", "UTF-8"),
             (b'{"a": ', "not valid JSON"),
             (b"[" * 100_000, "deeper"),
+            (b'{"a": ' + b"7" * 4301 + b"}", "more than 4300 digits"),
+            (b'{"a": [-' + b"1" * 50_000 + b"]}", "more than 4300 digits"),
         ],
     )
     def test_bad_json_is_invalid(self, body: bytes, message: str) -> None:

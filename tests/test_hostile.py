@@ -90,6 +90,28 @@ def test_non_finite_numbers_inside_a_result_are_invalid(api: Api, ns: str, value
     assert api.renew(namespace=ns, key=KEY, owner_token=lease["owner_token"]).status_code == 200
 
 
+def test_integers_past_4300_digits_are_invalid(api: Api, ns: str) -> None:
+    """Python converts no integer of more than 4,300 digits: 400 invalid, never a 500."""
+    huge = b"9" * 4301
+    lease = take(api, ns)
+    head = f'{{"namespace": "{ns}", "key": "{KEY}", "owner_token": "{lease["owner_token"]}", '
+    invalid(
+        api.post(
+            "/lease",
+            content=f'{{"namespace": "{ns}", "key": "k2", '.encode()
+            + b'"ttl_seconds": '
+            + huge
+            + b"}",
+        )
+    )
+    invalid(api.post("/lease/complete", content=head.encode() + b'"result": [' + huge + b"]}"))
+    # 4,300 digits are a number like any other: stored and returned exactly.
+    done = api.post("/lease/complete", content=head.encode() + b'"result": [' + huge[1:] + b"]}")
+    assert done.status_code == 200, done.text
+    assert done.json()["result"] == [int(huge[1:])]
+    assert api.acquire(namespace=ns, key="k2").status_code == 201
+
+
 @pytest.mark.parametrize(
     "result",
     [

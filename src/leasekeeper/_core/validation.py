@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from collections import Counter
 from typing import Any
 
@@ -74,7 +75,7 @@ _decoder = json.JSONDecoder(
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
     """Parse a request body strictly: one JSON object, UTF-8, no NaN, no duplicate keys,
-    no lone surrogates, nesting at most 64 levels."""
+    no lone surrogates, no integer of more than 4,300 digits, nesting at most 64 levels."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError:
@@ -88,6 +89,13 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         # exc.msg is the decoder's description of the problem, never the input itself.
         raise InvalidRequest(f"Body is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    except ValueError:
+        # Python refuses to convert an integer of more than sys.get_int_max_str_digits()
+        # (4,300) digits, and nothing could store or return one (the MCP SDK's parser
+        # refuses the same numbers).
+        raise InvalidRequest(
+            f"Body is not valid JSON: a number has more than {sys.get_int_max_str_digits()} digits"
+        ) from None
     if not isinstance(value, dict):
         raise InvalidRequest("Body must be a JSON object")
     check_tree(value)
