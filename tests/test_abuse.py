@@ -19,10 +19,13 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from leasekeeper import LeaseService, Settings
 from leasekeeper.http import create_app
+from leasekeeper.http._app import _larger_than
 from leasekeeper.store import MemoryStore
 from tests._server import Server, running_server
 from tests.conftest import FakeMonotonic
@@ -312,6 +315,33 @@ def test_a_huge_declared_body_is_refused_before_it_is_read(server: Server) -> No
     status, headers, body, took = answer(sock)
     assert (status, body["status"]) == (413, "too_large") and headers["connection"] == "close"
     assert took < TIMEOUT
+
+
+@given(st.integers(0, 10**30), st.integers(0, 6000), st.integers(0, 2**40))
+def test_a_declared_length_compares_as_its_number(length: int, zeros: int, limit: int) -> None:
+    """The body-size check reads Content-Length as a number, leading zeros and all."""
+    assert _larger_than(b"0" * zeros + str(length).encode(), limit) is (length > limit)
+
+
+@pytest.mark.slow
+def test_a_content_length_with_thousands_of_leading_zeros_is_its_number(server: Server) -> None:
+    """5,000 zeros and a 2 declare a body of 2 bytes: the request is served, not a 500
+    (int() refuses more than 4,300 digits); 5,000 zeros and 70000 are over the limit: 413."""
+    sock = connect(server)
+    sock.sendall(
+        b"POST /services/v1/lease/namespace HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        b"Content-Length: " + b"0" * 5000 + b"2\r\n\r\n{}"
+    )
+    status, _, body, _ = answer(sock)
+    assert status == 201 and body["namespace"].startswith("ns_")
+    sock = connect(server)
+    sock.sendall(
+        b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\nContent-Length: "
+        + b"0" * 5000
+        + b"70000\r\n\r\n{"
+    )
+    status, _, body, _ = answer(sock)
+    assert (status, body["status"]) == (413, "too_large")
 
 
 @pytest.mark.slow

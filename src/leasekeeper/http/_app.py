@@ -311,7 +311,7 @@ class LeaseEndpoint:
         max_body = self.max_body
         for name, value in scope["headers"]:
             if name == b"content-length":
-                if value.isdigit() and int(value) > max_body:
+                if value.isdigit() and _larger_than(value, max_body):
                     raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
                 break
         # A client trickling its body (or lying about its length) must not hold a
@@ -352,6 +352,16 @@ class LeaseEndpoint:
         raise RequestTimeout(
             f"The request body was not received within {self.body_timeout:g} seconds"
         )
+
+
+def _larger_than(digits: bytes, limit: int) -> bool:
+    """Whether the decimal ``digits`` are a number above ``limit``.
+
+    Without the leading zeros first: HTTP allows them, the parser accepts thousands,
+    and ``int()`` refuses more than 4,300 digits.
+    """
+    significant = digits.lstrip(b"0")
+    return len(significant) > len(str(limit)) or int(significant or b"0") > limit
 
 
 class _Deadline:
