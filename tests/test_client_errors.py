@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from leasekeeper import (
@@ -22,6 +23,7 @@ from leasekeeper import (
     StaleFence,
 )
 from leasekeeper._errors import error_from_body
+from leasekeeper.client._http import read_response
 
 SERVICE_ERRORS: list[LeaseError] = [
     InvalidRequest("ttl_seconds must be an integer from 1 to 86400"),
@@ -57,6 +59,23 @@ def test_the_retry_after_header_fills_a_missing_body_field() -> None:
     body = {"ok": False, "status": "unavailable", "error": "down"}
     assert error_from_body(body, retry_after=9).retry_after == 9
     assert error_from_body(body).retry_after == 1
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [("7", 7), ("0007", 7), ("²", 1), ("9" * 5000, 1), ("0" * 5000 + "3", 3), ("soon", 1)],
+)
+def test_a_retry_after_header_of_any_text_gives_a_wait(header: str, expected: int) -> None:
+    """Leading zeros are read; what is not a sane delta-seconds (a non-ASCII digit,
+    thousands of digits) is the default of 1 s, never an exception outside the tree."""
+    response = httpx.Response(
+        503,
+        content=b'{"ok":false,"status":"unavailable"}',
+        headers={"Retry-After": header.encode("latin-1")},
+    )
+    with pytest.raises(ServiceUnavailable) as raised:
+        read_response(response)
+    assert raised.value.retry_after == expected
 
 
 @pytest.mark.parametrize(

@@ -58,8 +58,13 @@ def encode(body: dict[str, Any]) -> bytes:
 
 def _retry_after(response: httpx.Response) -> int | None:
     value = response.headers.get("retry-after", "").strip()
-    # Only delta-seconds; the service never sends an HTTP date.
-    return int(value) if value.isdigit() else None
+    # Only delta-seconds; the service never sends an HTTP date. ASCII digits only
+    # (str.isdigit() also takes "²", which int() refuses), and at most 9 of them past
+    # any leading zeros (int() refuses more than 4,300; 9 digits are 31 years).
+    if not (value.isascii() and value.isdigit()):
+        return None
+    significant = value.lstrip("0") or "0"
+    return int(significant) if len(significant) <= 9 else None
 
 
 def read_response(response: httpx.Response) -> dict[str, Any]:
