@@ -6,8 +6,11 @@ import dataclasses
 import json
 import secrets as random_secrets
 import uuid
+from typing import Any
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from leasekeeper import FakeClock, InvalidRequest, PayloadTooLarge
 from leasekeeper._core import rules, secrets, times, validation
@@ -291,6 +294,63 @@ class TestResults:
         assert text == '{"b":1180591620717411303424,"a":"\\u0000","c":[1.5,null]}'
 
 
+# Half the bodies are what the flat path takes (plain names and text, JSON's whitespace),
+# half anything: escapes, control characters, non-JSON whitespace, floats, nesting.
+_PLAIN_TEXT = st.text(
+    st.characters(min_codepoint=0x20, max_codepoint=0x2FF, exclude_characters='"\\'), max_size=6
+)
+_PLAIN = {
+    "names": st.sampled_from(["key", "namespace", "ttl_seconds", "a", "\u00e9"]),
+    "scalars": st.one_of(
+        _PLAIN_TEXT, st.integers(-(2**63), 2**64), st.integers(), st.booleans(), st.none()
+    ),
+    "whitespace": st.sampled_from(["", " ", "\t", "\r\n"]),
+}
+_WILD = {
+    "names": st.sampled_from(["key", "a", "\u00e9", 'q"', "b\\", "\x00", "\u2028"]),
+    "scalars": st.one_of(
+        st.text(max_size=4),
+        st.integers(-(2**70), 2**70),
+        st.sampled_from(["\\u0041", "\ud800", 1.5, 1e300, [], {"x": 1}, True, None]),
+    ),
+    "whitespace": st.sampled_from(["", " ", "\x0c", "\xa0", "\x0b"]),
+}
+_EDITS = st.sampled_from(["none", "none", "none", "none", "change", "insert", "drop"])
+
+
+def _json_ish(data: Any) -> bytes:
+    """Flat JSON objects, often with repeated members, then often one byte changed,
+    inserted or dropped: bodies at the margins of what the two parsers agree on."""
+    kind = data.draw(st.sampled_from([_PLAIN, _WILD]))
+    unique = data.draw(st.booleans())
+    members = data.draw(
+        st.lists(
+            st.tuples(kind["names"], kind["scalars"]),
+            max_size=5,
+            unique_by=(lambda member: member[0]) if unique else None,
+        )
+    )
+    ascii_only = kind is _WILD and data.draw(st.booleans())
+    parts = []
+    for name, value in members:
+        ws = data.draw(kind["whitespace"])
+        encoded = json.dumps(value, ensure_ascii=ascii_only)
+        parts.append(f"{ws}{json.dumps(name, ensure_ascii=ascii_only)}{ws}:{encoded}")
+    text = "{" + ",".join(parts) + data.draw(kind["whitespace"]) + "}"
+    body = text.encode("utf-8", "surrogatepass")
+    edit = data.draw(_EDITS)
+    if edit != "none" and body:
+        at = data.draw(st.integers(0, len(body) - 1))
+        byte = bytes([data.draw(st.sampled_from(b'"\\,:{}\xc3\x001'))])
+        if edit == "change":
+            body = body[:at] + byte + body[at + 1 :]
+        elif edit == "insert":
+            body = body[:at] + byte + body[at:]
+        else:
+            body = body[:at] + body[at + 1 :]
+    return body
+
+
 class TestStrictJson:
     @pytest.mark.parametrize(
         ("body", "message"),
@@ -327,6 +387,41 @@ class TestStrictJson:
     def test_a_byte_order_mark_is_tolerated(self) -> None:
         """A UTF-8 BOM before the object is ignored."""
         assert validation.parse_json_object("\ufeff{}".encode()) == {}
+
+    def test_the_usual_lease_body_takes_the_flat_path(self) -> None:
+        """An acquire body is parsed by orjson; what that path cannot vouch for is not."""
+        usual = b'{"namespace": "ns_x", "key": "k\xc3\xa9", "ttl_seconds": 60, "fingerprint": null}'
+        assert validation._flat_object(usual) == {
+            "namespace": "ns_x",
+            "key": "k\u00e9",
+            "ttl_seconds": 60,
+            "fingerprint": None,
+        }
+        for other in (
+            b'{"key": "a\\u0041"}',  # an escape
+            b'{"key": "k", "key": "k"}',  # a repeated member
+            b'{"key": "k", "result": {"a": 1}}',  # nested
+            b'{"key": "k", "ttl_seconds": 6e1}',  # a float
+            b'{"key": "k", "ttl_seconds": 18446744073709551616}',  # past 64 bits
+            b"\xef\xbb\xbf{}",  # a byte order mark
+            b"[]",
+        ):
+            assert validation._flat_object(other) is None, other
+
+    @settings(max_examples=400)
+    @given(st.data())
+    @example(data=None)
+    def test_the_flat_path_returns_what_the_strict_parser_returns(self, data: Any) -> None:
+        """Differential: whenever the orjson path answers, the strict parser accepts the
+        same body and returns the same members, values and types, in the same order."""
+        body = _json_ish(data) if data is not None else b'{"a": "x", "a": "x"}'
+        flat = validation._flat_object(body)
+        if flat is None:
+            return
+        strict = validation._parse_strict(body)
+        assert [(k, type(v), v) for k, v in flat.items()] == [
+            (k, type(v), v) for k, v in strict.items()
+        ]
 
 
 class TestSecrets:

@@ -13,6 +13,8 @@ import sys
 from collections import Counter
 from typing import Any
 
+import orjson
+
 from leasekeeper._errors import InvalidRequest, PayloadTooLarge
 
 __all__ = [
@@ -76,6 +78,44 @@ _decoder = json.JSONDecoder(
 def parse_json_object(body: bytes) -> dict[str, Any]:
     """Parse a request body strictly: one JSON object, UTF-8, no NaN, no duplicate keys,
     no lone surrogates, no integer of more than 4,300 digits, nesting at most 64 levels."""
+    flat = _flat_object(body)
+    if flat is not None:
+        return flat
+    return _parse_strict(body)
+
+
+def _flat_object(body: bytes) -> dict[str, Any] | None:
+    """``body`` parsed by orjson, when that is provably what ``_parse_strict`` returns
+    too; else None, and ``_parse_strict`` decides. Three times cheaper, for the usual
+    lease request: one object whose values are all strings, integers, booleans or null,
+    with no backslash anywhere.
+
+    Why it is the same: with no backslash there is no escape, so no surrogate, and
+    every quote is the first or last character of a string, so the quotes count the
+    document's strings; a repeated member adds strings that the parsed object lacks.
+    orjson refuses invalid UTF-8 (surrogates included) and what else RFC 8259 does,
+    as the strict parser does; it reads an integer past 64 bits as a float, and no
+    float is taken here. A flat object nests one level deep.
+    """
+    if b"\\" in body:
+        return None
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if type(value) is not dict:
+        return None
+    strings = len(value)
+    for member in value.values():
+        kind = type(member)
+        if kind is str:
+            strings += 1
+        elif not (kind is int or kind is bool or member is None):
+            return None
+    return value if body.count(b'"') == 2 * strings else None
+
+
+def _parse_strict(body: bytes) -> dict[str, Any]:
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError:
