@@ -588,6 +588,26 @@ class TestTransport:
         error(api.client.get("/services/v1/lease"), 405, "method_not_allowed")
         error(api.client.delete("/services/v1/lease/renew"), 405, "method_not_allowed")
 
+    def test_a_trailing_slash_changes_nothing(self, api: Api, ns: str) -> None:
+        """/lease/ is /lease, served as it is: no redirect (with the empty body of one)
+        that a client might not follow; the other routes likewise."""
+        lease = {"namespace": ns, "key": "slash"}
+        held = api.client.post("/services/v1/lease/", json=lease)
+        assert held.status_code == 201 and not held.history
+        again = api.client.post("/services/v1/lease/acquire//", json=lease)
+        assert (again.status_code, again.json()["status"]) == (409, "held")
+        owner = {**lease, "owner_token": held.json()["owner_token"]}
+        renewed = api.client.post("/services/v1/lease/renew/", json=owner)
+        assert renewed.status_code == 200 and not renewed.history
+        health = api.client.get("/healthz/")
+        assert (health.status_code, health.json(), health.history) == (
+            200,
+            {"ok": True, "status": "alive"},
+            [],
+        )
+        error(api.client.get("/services/v1/lease/"), 405, "method_not_allowed")
+        error(api.client.post("/nothing/"), 404, "not_found")
+
     def test_every_response_has_the_security_headers(self, api: Api, ns: str) -> None:
         """Cache-Control: no-store and X-Content-Type-Options: nosniff on every response."""
         responses = [

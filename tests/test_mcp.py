@@ -524,6 +524,10 @@ def test_mcp_route_keeps_the_api_guarantees(app_with_mcp: TestClient) -> None:
         refused = app_with_mcp.request(method, "/mcp", headers=_MCP_HEADERS)
         assert refused.status_code == 405
         assert refused.json()["status"] == "method_not_allowed"
+    # /mcp/ is /mcp, served without a redirect.
+    slash = app_with_mcp.post("/mcp/", json=_INITIALIZE, headers=_MCP_HEADERS)
+    assert slash.status_code == 200 and not slash.history
+    assert slash.json()["result"]["serverInfo"]["name"] == "leasekeeper"
 
 
 def test_mcp_route_limits_bodies_and_hosts(app_with_mcp: TestClient) -> None:

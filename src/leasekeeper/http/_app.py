@@ -188,6 +188,9 @@ def create_app(
         },
         lifespan=lifespan,
     )
+    # LeaseApp serves a path with a trailing slash as the path without one; Starlette
+    # would answer it with a 307 whose body is empty, where every answer is JSON.
+    app.router.redirect_slashes = False
     app.state.metrics = metrics
     app.state.service = service
     direct = {path: endpoints[operation] for path, operation in _ROUTES.items()}
@@ -435,7 +438,8 @@ class LeaseApp:
     """The application: the lease routes and Starlette inside one outermost ASGI layer.
 
     The layer draws each request's id (``X-Request-Id``, and ``request_id`` in its
-    log lines), adds the security headers, caps requests in flight, counts request
+    log lines), serves a path with a trailing slash as the path without, adds the
+    security headers, caps requests in flight, counts request
     metrics, sends ``POST`` to a lease route straight to its ``LeaseEndpoint`` and
     everything else to Starlette, and at DEBUG logs one line per request (method,
     route name, status, time; never a path, body or header value).
@@ -475,6 +479,11 @@ class LeaseApp:
         reset = REQUEST_ID.set(request_id)
         header_id = request_id.encode("ascii")
         path = scope["path"]
+        if path[-1:] == "/" and len(path) > 1:
+            # A trailing slash changes nothing (/lease/ is /lease): served as it is,
+            # with no redirect that a client might not follow.
+            path = path.rstrip("/") or "/"
+            scope = {**scope, "path": path}
         route = _ROUTE_NAMES.get(path, "other")
         try:
             if self.in_flight >= self.max_in_flight:
