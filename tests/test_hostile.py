@@ -95,15 +95,8 @@ def test_integers_past_4300_digits_are_invalid(api: Api, ns: str) -> None:
     huge = b"9" * 4301
     lease = take(api, ns)
     head = f'{{"namespace": "{ns}", "key": "{KEY}", "owner_token": "{lease["owner_token"]}", '
-    invalid(
-        api.post(
-            "/lease",
-            content=f'{{"namespace": "{ns}", "key": "k2", '.encode()
-            + b'"ttl_seconds": '
-            + huge
-            + b"}",
-        )
-    )
+    acquire = f'{{"namespace": "{ns}", "key": "k2", "ttl_seconds": '.encode() + huge + b"}"
+    invalid(api.post("/lease", content=acquire))
     invalid(api.post("/lease/complete", content=head.encode() + b'"result": [' + huge + b"]}"))
     # 4,300 digits are a number like any other: stored and returned exactly.
     done = api.post("/lease/complete", content=head.encode() + b'"result": [' + huge[1:] + b"]}")

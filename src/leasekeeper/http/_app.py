@@ -439,10 +439,10 @@ class LeaseApp:
 
     The layer draws each request's id (``X-Request-Id``, and ``request_id`` in its
     log lines), serves a path with a trailing slash as the path without, adds the
-    security headers, caps requests in flight, counts request
-    metrics, sends ``POST`` to a lease route straight to its ``LeaseEndpoint`` and
-    everything else to Starlette, and at DEBUG logs one line per request (method,
-    route name, status, time; never a path, body or header value).
+    security headers, caps requests in flight, counts request metrics, sends
+    ``POST`` to a lease route straight to its ``LeaseEndpoint`` and everything else
+    to Starlette, and at DEBUG logs one line per request (method, route name,
+    status, time; never a path, body or header value).
 
     A plain ASGI wrapper rather than ``BaseHTTPMiddleware``, which would cost a
     task and a stream per request on the hot path. A ``LeaseEndpoint`` is handed
