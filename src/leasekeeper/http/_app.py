@@ -188,9 +188,6 @@ def create_app(
         },
         lifespan=lifespan,
     )
-    # LeaseApp serves a path with a trailing slash as the path without one; Starlette
-    # would answer it with a 307 whose body is empty, where every answer is JSON.
-    app.router.redirect_slashes = False
     app.state.metrics = metrics
     app.state.service = service
     direct = {path: endpoints[operation] for path, operation in _ROUTES.items()}
