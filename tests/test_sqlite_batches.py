@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import secrets
 import sqlite3
 import threading
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -25,12 +27,13 @@ from leasekeeper._core.model import (
     CompletedOutcome,
     Granted,
     Held,
+    LeaseRecord,
     Release,
     Released,
     Renew,
     Renewed,
 )
-from leasekeeper.store._sqlite import SqliteStore
+from leasekeeper.store._sqlite import _SCHEMA, SqliteStore, _params, _select_many, _upsert
 
 TTL = 60_000
 LIFECYCLE = 86_400_000
@@ -353,3 +356,77 @@ def test_a_close_from_another_event_loop_waits_for_the_batches_in_flight(
             await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("nulls", list(itertools.product((False, True), repeat=4)))
+def test_every_shape_of_record_is_written_as_it_is_and_overwrites_any_other(
+    nulls: tuple[bool, bool, bool, bool],
+) -> None:
+    """Each combination of NULL columns has its own statement (``_upsert``): a record
+    of each shape reads back equal, whether new or over a record of the opposite shape."""
+    conn = sqlite3.connect(":memory:", isolation_level=None)
+    conn.executescript(_SCHEMA)
+    select = _select_many(1)
+
+    def record(nulls: tuple[bool, ...], key: bytes) -> LeaseRecord:
+        fingerprint, owner, completed, result = nulls
+        return LeaseRecord(
+            key,
+            None if fingerprint else new_id(),
+            1_000,
+            7,
+            None if owner else new_id(),
+            500,
+            None if completed else 900,
+            None if result else '{"n":1}',
+            400,
+        )
+
+    for before in (None, tuple(not null for null in nulls)):
+        key = new_id()
+        if before is not None:
+            conn.execute(_upsert(_params(record(before, key))[0]), _params(record(before, key))[1])
+        wanted = record(nulls, key)
+        shape, params = _params(wanted)
+        assert shape == nulls
+        conn.execute(_upsert(shape), params)
+        assert [LeaseRecord(*row) for row in conn.execute(select, (key,))] == [wanted]
+
+
+def test_the_writer_binds_no_bytes_and_no_none(tmp_path: Path) -> None:
+    """Python 3.11's sqlite3 looks for an adapter (and formats an AttributeError) for
+    each bound ``bytes`` or ``None``: a batch binds neither (``_upsert``)."""
+    bound: list[object] = []
+
+    class Recording(sqlite3.Connection):
+        def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
+            bound.extend(parameters)
+            return super().execute(sql, parameters)
+
+        def executemany(self, sql: str, rows: Any, /) -> sqlite3.Cursor:
+            rows = list(rows)
+            for row in rows:
+                bound.extend(row)
+            return super().executemany(sql, rows)
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "b.db", FakeClock())
+        connect = sqlite3.connect
+
+        def recording_connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+            return connect(*args, **kwargs, factory=Recording)
+
+        with mock.patch.object(sqlite3, "connect", recording_connect):
+            await store.open()
+        try:
+            key, owner = new_id(), new_id()
+            await store.apply(Acquire(key, None, TTL, owner, LIFECYCLE))
+            await store.apply(Acquire(new_id(), new_id(), TTL, new_id(), LIFECYCLE))
+            await store.apply(Complete(key, owner, '{"n":1}'))
+            await store.apply(Acquire(key, None, TTL, new_id(), LIFECYCLE))
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+    assert bound  # the recording saw the batches' parameters
+    assert [value for value in bound if value is None or isinstance(value, bytes)] == []

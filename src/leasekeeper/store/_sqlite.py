@@ -83,15 +83,69 @@ _SELECT_MANY = (
 )
 #: Keys per SELECT: far below SQLite's limit on bound parameters (32,766).
 _SELECT_CHUNK = 500
-_UPSERT = (
+#: The record's columns, in the order of ``LeaseRecord``'s fields.
+_COLUMNS = (
+    "key_id",
+    "fingerprint",
+    "absolute_expires_ms",
+    "fencing_token",
+    "owner",
+    "lease_expires_ms",
+    "completed_ms",
+    "result",
+    "updated_ms",
+)
+_UPSERT_INTO = (
     "INSERT INTO leases (key_id, fingerprint, absolute_expires_ms, fencing_token, owner, "
-    "lease_expires_ms, completed_ms, result, updated_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
-    "ON CONFLICT (key_id) DO UPDATE SET fingerprint = excluded.fingerprint, "
+    "lease_expires_ms, completed_ms, result, updated_ms) VALUES "
+)
+_UPSERT_SET = (
+    " ON CONFLICT (key_id) DO UPDATE SET fingerprint = excluded.fingerprint, "
     "absolute_expires_ms = excluded.absolute_expires_ms, "
     "fencing_token = excluded.fencing_token, owner = excluded.owner, "
     "lease_expires_ms = excluded.lease_expires_ms, completed_ms = excluded.completed_ms, "
     "result = excluded.result, updated_ms = excluded.updated_ms"
 )
+#: Which of a record's four nullable columns (fingerprint, owner, completed_ms,
+#: result) are NULL: an upsert statement of its own for each (``_upsert``).
+_Nulls = tuple[bool, bool, bool, bool]
+
+
+@functools.lru_cache(maxsize=16)
+def _upsert(nulls: _Nulls) -> str:
+    """The upsert of a record whose nullable columns are NULL as ``nulls`` says.
+
+    NULL is written into the statement rather than bound, and blobs are bound as
+    ``bytearray`` (``_params``): Python 3.11's sqlite3 looks for an adapter for
+    every parameter that is ``None`` or ``bytes``, and formats and discards an
+    AttributeError for each, which made binding a row cost about four times its
+    insert. sqlite3's adapters are one table for the whole process, so registering
+    some would change them for a program that embeds leasekeeper.
+    """
+    null = dict(zip(("fingerprint", "owner", "completed_ms", "result"), nulls, strict=True))
+    values = ", ".join("NULL" if null.get(column) else "?" for column in _COLUMNS)
+    return _UPSERT_INTO + "(" + values + ")" + _UPSERT_SET  # only NULL and ? marks put in
+
+
+def _params(record: LeaseRecord) -> tuple[_Nulls, list[object]]:
+    """Which nullable columns of ``record`` are NULL, and the values to bind for the
+    rest, in ``_upsert``'s order, blobs as ``bytearray`` (why: ``_upsert``)."""
+    fingerprint, owner = record.fingerprint, record.owner
+    completed_ms, result = record.completed_ms, record.result
+    params: list[object] = [bytearray(record.key_id)]
+    if fingerprint is not None:
+        params.append(bytearray(fingerprint))
+    params += (record.absolute_expires_ms, record.fencing_token)
+    if owner is not None:
+        params.append(bytearray(owner))
+    params.append(record.lease_expires_ms)
+    if completed_ms is not None:
+        params.append(completed_ms)
+    if result is not None:
+        params.append(result)
+    params.append(record.updated_ms)
+    nulls = (fingerprint is None, owner is None, completed_ms is None, result is None)
+    return nulls, params
 
 
 @functools.lru_cache(maxsize=64)
@@ -486,28 +540,17 @@ class SqliteStore:
         records: dict[bytes, LeaseRecord] = {}
         for at in range(0, len(keys), _SELECT_CHUNK):
             chunk = keys[at : at + _SELECT_CHUNK]
-            for row in conn.execute(_select_many(len(chunk)), chunk):
+            blobs = [bytearray(key) for key in chunk]  # not bytes: see _upsert
+            for row in conn.execute(_select_many(len(chunk)), blobs):
                 records[row[0]] = LeaseRecord(*row)
         outcomes, writes = decide_in_turn(commands, records, self._clock.now_ms, next_fence)
         results.extend(zip(live, outcomes, strict=True))
-        if writes:
-            conn.executemany(
-                _UPSERT,
-                [
-                    (
-                        w.key_id,
-                        w.fingerprint,
-                        w.absolute_expires_ms,
-                        w.fencing_token,
-                        w.owner,
-                        w.lease_expires_ms,
-                        w.completed_ms,
-                        w.result,
-                        w.updated_ms,
-                    )
-                    for w in writes.values()
-                ],
-            )
+        rows: dict[_Nulls, list[list[object]]] = {}
+        for record in writes.values():  # one record per key: their order does not matter
+            nulls, params = _params(record)
+            rows.setdefault(nulls, []).append(params)
+        for nulls, same in rows.items():
+            conn.executemany(_upsert(nulls), same)
 
     @staticmethod
     def _run_task(
