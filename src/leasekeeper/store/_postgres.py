@@ -61,7 +61,7 @@ from psycopg_pool import AsyncConnectionPool
 from leasekeeper._core.clock import Clock
 from leasekeeper._core.model import Command, Decision, LeaseRecord
 from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
-from leasekeeper.store._base import Purged, decide_in_turn, expire, settle
+from leasekeeper.store._base import Deadlines, Purged, decide_in_turn, settle
 
 __all__ = ["DEFAULT_POOL_SIZE", "SCHEMA_VERSION", "PostgresStore"]
 
@@ -279,6 +279,7 @@ class PostgresStore:
         self.schema = schema
         self._clock = clock
         self._timeout = timeout_seconds
+        self._deadlines = Deadlines(timeout_seconds)
         self._conninfo = _conninfo(url, timeout_seconds, schema, application_name)
         self._min_size = min(min_size, max_size)
         self._max_size = max_size
@@ -360,11 +361,8 @@ class PostgresStore:
             task = loop.create_task(self._run_batches())
             self._tasks.add(task)
             task.add_done_callback(self._settled)
-        timer = loop.call_later(self._timeout, expire, future)
-        try:
-            return await future
-        finally:
-            timer.cancel()
+        self._deadlines.watch(future)
+        return await future
 
     async def purge(self, limit: int, after: bytes | None = None) -> Purged:
         """Deletes up to ``limit`` finished records, those that ended first (see
