@@ -4,6 +4,8 @@ uses that pair (``bench._report.ratio``). No wrk runs here: ``_wrk`` is replaced
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +34,12 @@ class ScriptedBench(Bench):
         super().__init__("wrk", plan, Path("."), None, workloads, single=True)  # type: ignore[arg-type]
         self.rates = iter(rates)
         self.order: list[tuple[str, int, int]] = []
+        self.quantiles: list[bool] = []  # whether each run was asked for its quantiles
 
     def _wrk(self, process: Any, target: str, script: str, connections: int,
              seconds: int, args: list[str], *rest: Any) -> Run:  # fmt: skip
         self.order.append((script, connections, seconds))
+        self.quantiles.append(bool(rest[1:2] and rest[1]))
         return fake_run(target, script, connections, next(self.rates))
 
 
@@ -73,3 +77,66 @@ def test_runs_without_their_own_references_use_the_stores_mean() -> None:
     window = fake_run("sqlite:cleanup", "acquire", 64, 5_000).as_dict()
     assert ratio(window, {("sqlite", 64): 20_000}) == 0.25
     assert ratio(window, {}) is None
+
+
+class FreshStores:
+    """A store target that only counts the stores it made and discarded."""
+
+    name = "sqlite"
+
+    def __init__(self) -> None:
+        self.made: list[str] = []
+        self.discarded: list[str] = []
+
+    def fresh(self) -> str:
+        self.made.append(f"sqlite:///store-{len(self.made)}.db")
+        return self.made[-1]
+
+    def discard(self, url: str) -> None:
+        self.discarded.append(url)
+
+
+def test_acquire_runs_four_more_rounds_each_on_a_fresh_store_between_references(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_driver, "_mint", lambda server: "ns_" + "A" * 43)
+    started: list[str] = []
+
+    @contextlib.contextmanager
+    def server(self: Bench, url: str, env: Any = None) -> Iterator[str]:
+        started.append(url)
+        yield url
+
+    monkeypatch.setattr(Bench, "_server", server)
+    holders: list[str] = []
+    monkeypatch.setattr(Bench, "_holders", lambda self, server: holders.append(server))
+    # Per round: warm-up, reference, acquire, reference.
+    rates = [0, 10_000, 4_400, 12_000] + [0, 20_000, 10_000, 20_000] * 3
+    bench = ScriptedBench(rates, ["acquire", "heartbeat"])
+    assert bench.plan.rounds == 5
+    stores = FreshStores()
+    runs = bench._more_rounds(stores)  # type: ignore[arg-type]
+
+    assert started == stores.made == stores.discarded == holders
+    assert len(stores.made) == 4
+    assert [(r.workload, r.extra.get("round")) for r in runs] == [
+        pair
+        for number in (2, 3, 4, 5)
+        for pair in (("reference", None), ("acquire", number), ("reference", None))
+    ]
+    assert runs[1].extra["reference_ops_per_s"] == 11_000
+    assert runs[1].ops_per_s == 4_400
+    assert ratio(runs[1].as_dict(), {}) == 0.4
+    # Every round runs as long as the first, and keeps its quantiles for the p99.
+    plan = bench.plan
+    assert bench.order[:4] == [
+        ("acquire", 64, plan.warmup),
+        ("reference", 64, plan.seconds_reference),
+        ("acquire", 64, plan.seconds),
+        ("reference", 64, plan.seconds_reference),
+    ]
+    assert bench.quantiles == [False, False, True, False] * 4
+
+
+def test_a_quick_run_makes_a_single_round() -> None:
+    assert Plan.make(quick=True, records=None).rounds == 1

@@ -144,3 +144,36 @@ def test_without_a_memory_run_the_acquire_target_is_its_ratio_alone() -> None:
     (found,) = targets({"machine": {}, "sections": [{"runs": runs}]})
     assert found["measured"] == "ratio 0.50, p99 9.0 ms"
     assert found["met"]
+
+
+def acquire_round(rate: float, reference: float, latencies: list[int]) -> dict[str, Any]:
+    """One acquire round with its own reference pair and its latencies (µs)."""
+    run = acquire_run("sqlite", rate)
+    run["extra"] = {"reference_ops_per_s": reference}
+    return window(latencies, **run)
+
+
+def test_the_acquire_target_is_the_median_round_and_the_p99_of_all_their_requests() -> None:
+    """Five rounds at 0.40, 0.52, 0.55, 0.47, 0.51 of their references: the median is
+    0.51, met, though two rounds alone would not be. One slow round holds 2 % of all
+    the requests above 30 ms: the p99 over every request sees it."""
+    fast = [1_000] * 1_000
+    rounds = [
+        acquire_round(8_000, 20_000, fast),
+        acquire_round(10_400, 20_000, fast),
+        acquire_round(11_000, 20_000, [1_000] * 900 + [30_000] * 100),
+        acquire_round(9_400, 20_000, fast),
+        acquire_round(10_200, 20_000, fast),
+    ]
+    (found,) = targets({"machine": {}, "sections": [{"runs": rounds}]})
+    assert found["measured"] == (
+        "ratio 0.51, p99 30.0 ms (median of 5 rounds, 0.40-0.55; p99 of all their requests)"
+    )
+    assert not found["met"]  # by the p99 alone
+    rounds[2] = acquire_round(11_000, 20_000, fast)
+    (found,) = targets({"machine": {}, "sections": [{"runs": rounds}]})
+    assert found["measured"].startswith("ratio 0.51, p99 1.0 ms (median of 5 rounds")
+    assert found["met"]
+    rounds[4]["errors"] = 3
+    (found,) = targets({"machine": {}, "sections": [{"runs": rounds}]})
+    assert not found["met"]  # failed requests in any round
