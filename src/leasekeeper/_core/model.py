@@ -2,12 +2,20 @@
 
 Everything here is immutable and free of I/O. Times are integer Unix
 milliseconds; digests are raw ``bytes`` (see ``_core.secrets``).
+
+The types are frozen ``msgspec.Struct`` classes rather than frozen dataclasses: a
+frozen dataclass sets each field through ``object.__setattr__``, and building one
+``LeaseRecord`` cost 1.4 µs against 0.16 µs, several times on every request. Like
+dataclasses they compare equal only to their own type, field by field. Their fields
+hold bytes, numbers, text, enums and other such structs: no reference cycle can
+form, so they are left out of the cyclic garbage collector (``gc=False``).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+
+import msgspec
 
 __all__ = [
     "Acquire",
@@ -45,8 +53,7 @@ class LeaseState(enum.Enum):
     COMPLETED = "completed"
 
 
-@dataclass(frozen=True, slots=True)
-class LeaseRecord:
+class LeaseRecord(msgspec.Struct, frozen=True, gc=False):
     """What a store keeps for one key: digests and timing state, never a raw secret."""
 
     #: Keyed digest of (namespace, key); the primary key.
@@ -70,8 +77,7 @@ class LeaseRecord:
     updated_ms: int
 
 
-@dataclass(frozen=True, slots=True)
-class Acquire:
+class Acquire(msgspec.Struct, frozen=True, gc=False):
     """Take the lease for a new owner whose token digest is ``owner``."""
 
     key_id: bytes
@@ -81,8 +87,7 @@ class Acquire:
     lifecycle_ms: int
 
 
-@dataclass(frozen=True, slots=True)
-class Renew:
+class Renew(msgspec.Struct, frozen=True, gc=False):
     """Move the live owner's lease expiry to ``now + ttl_ms`` (capped by the lifecycle)."""
 
     key_id: bytes
@@ -90,16 +95,14 @@ class Renew:
     ttl_ms: int
 
 
-@dataclass(frozen=True, slots=True)
-class Release:
+class Release(msgspec.Struct, frozen=True, gc=False):
     """End the live owner's lease now."""
 
     key_id: bytes
     owner: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Complete:
+class Complete(msgspec.Struct, frozen=True, gc=False):
     """Store ``result`` (redacted compact JSON) and end ownership for the lifecycle."""
 
     key_id: bytes
@@ -110,46 +113,40 @@ class Complete:
 Command = Acquire | Renew | Release | Complete
 
 
-@dataclass(frozen=True, slots=True)
-class Granted:
+class Granted(msgspec.Struct, frozen=True, gc=False):
     """A new owner holds the lease (HTTP 201)."""
 
     record: LeaseRecord
     now_ms: int
 
 
-@dataclass(frozen=True, slots=True)
-class CompletedOutcome:
+class CompletedOutcome(msgspec.Struct, frozen=True, gc=False):
     """The key's lifecycle has a stored result (HTTP 200)."""
 
     record: LeaseRecord
 
 
-@dataclass(frozen=True, slots=True)
-class Held:
+class Held(msgspec.Struct, frozen=True, gc=False):
     """Another owner holds a live lease (HTTP 409 held)."""
 
     record: LeaseRecord
     now_ms: int
 
 
-@dataclass(frozen=True, slots=True)
-class Conflict:
+class Conflict(msgspec.Struct, frozen=True, gc=False):
     """The lifecycle is bound to another fingerprint (HTTP 409 conflict)."""
 
     record: LeaseRecord
 
 
-@dataclass(frozen=True, slots=True)
-class Renewed:
+class Renewed(msgspec.Struct, frozen=True, gc=False):
     """The live owner's lease has a new expiry (HTTP 200)."""
 
     record: LeaseRecord
     now_ms: int
 
 
-@dataclass(frozen=True, slots=True)
-class Released:
+class Released(msgspec.Struct, frozen=True, gc=False):
     """The live owner gave the lease up (HTTP 200)."""
 
     record: LeaseRecord
@@ -170,8 +167,7 @@ class LostReason(enum.Enum):
     NOT_OWNER = "The owner token does not match the current owner of this lease"
 
 
-@dataclass(frozen=True, slots=True)
-class Lost:
+class Lost(msgspec.Struct, frozen=True, gc=False):
     """The caller is not the live owner (HTTP 409 lost)."""
 
     reason: LostReason
@@ -180,8 +176,7 @@ class Lost:
 Outcome = Granted | CompletedOutcome | Held | Conflict | Renewed | Released | Lost
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(msgspec.Struct, frozen=True, gc=False):
     """What the rules decided: an outcome and the record to store, if any.
 
     When ``new_owner`` is true the record's ``fencing_token`` is a placeholder:
@@ -198,18 +193,5 @@ class Decision:
         """This decision with the new owner's fencing token filled in."""
         if not self.new_owner or self.write is None or not isinstance(self.outcome, Granted):
             raise ValueError("only a decision that grants a new owner takes a fencing token")
-        w = self.write
-        # The constructor rather than dataclasses.replace: this runs for every grant,
-        # and replace() costs twice as much.
-        record = LeaseRecord(
-            w.key_id,
-            w.fingerprint,
-            w.absolute_expires_ms,
-            fencing_token,
-            w.owner,
-            w.lease_expires_ms,
-            w.completed_ms,
-            w.result,
-            w.updated_ms,
-        )
+        record = msgspec.structs.replace(self.write, fencing_token=fencing_token)
         return Decision(Granted(record, self.outcome.now_ms), record, new_owner=False)

@@ -21,7 +21,7 @@ that steps back can never revive an expired lease or a finished lifecycle.
 
 from __future__ import annotations
 
-import dataclasses
+from msgspec.structs import replace
 
 from leasekeeper._core.model import (
     Acquire,
@@ -85,7 +85,7 @@ def decide(record: LeaseRecord | None, command: Command, now_ms: int) -> Decisio
         decision = _complete(record, state, command, now)
     if decision.write is None and record is not None and state in _OBSERVED_EXPIRY:
         # Persist that this expiry was seen, so a clock stepping back cannot undo it.
-        decision = dataclasses.replace(decision, write=dataclasses.replace(record, updated_ms=now))
+        decision = replace(decision, write=replace(record, updated_ms=now))
     return decision
 
 
@@ -119,7 +119,7 @@ def _acquire(record: LeaseRecord | None, state: LeaseState, command: Acquire, no
     if state is LeaseState.HELD:
         return Decision(Held(record, now))
     # RELEASED or EXPIRED: a new owner in the same lifecycle.
-    taken = dataclasses.replace(
+    taken = replace(
         record,
         owner=command.owner,
         lease_expires_ms=_lease_expiry(now, command.ttl_ms, record.absolute_expires_ms),
@@ -153,7 +153,7 @@ def _renew(record: LeaseRecord | None, state: LeaseState, command: Renew, now: i
     reason = _lost_reason(record, state, command.owner)
     if reason is not None or record is None:
         return Decision(Lost(reason or LostReason.NO_LEASE))
-    renewed = dataclasses.replace(
+    renewed = replace(
         record,
         lease_expires_ms=_lease_expiry(now, command.ttl_ms, record.absolute_expires_ms),
         updated_ms=now,
@@ -165,7 +165,7 @@ def _release(record: LeaseRecord | None, state: LeaseState, command: Release, no
     reason = _lost_reason(record, state, command.owner)
     if reason is not None or record is None:
         return Decision(Lost(reason or LostReason.NO_LEASE))
-    released = dataclasses.replace(record, owner=None, lease_expires_ms=now, updated_ms=now)
+    released = replace(record, owner=None, lease_expires_ms=now, updated_ms=now)
     return Decision(Released(released), released)
 
 
@@ -175,7 +175,7 @@ def _complete(
     reason = _lost_reason(record, state, command.owner)
     if reason is not None or record is None:
         return Decision(Lost(reason or LostReason.NO_LEASE))
-    done = dataclasses.replace(
+    done = replace(
         record,
         owner=None,
         lease_expires_ms=now,
