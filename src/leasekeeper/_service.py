@@ -13,9 +13,9 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgspec
 import orjson
 
 from leasekeeper._core import secrets, times
@@ -54,9 +54,10 @@ __all__ = ["OPERATIONS", "LeaseService", "Reply", "ServiceObserver"]
 log = logging.getLogger("leasekeeper.service")
 
 
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """A successful outcome: the JSON body, and whether a new owner was created (201)."""
+class Reply(msgspec.Struct, frozen=True):
+    """A successful outcome: the JSON body, and whether a new owner was created (201).
+
+    A frozen Struct, as the core's types are (``leasekeeper._core.model`` says why)."""
 
     body: dict[str, Any]
     created: bool = False
