@@ -59,8 +59,8 @@ def series(results: dict[str, Any]) -> dict[str, Any]:
         during = window.pop("runs")
         if all(run.get("quantiles") for run in during):
             window["overall"] = _report.percentile(during, 99)
-        normal = _report._find(runs, store, "acquire", 64)
-        window["limit"] = 2 * normal["p99_ms"] if normal else None
+        normal = _report.headline(runs, store, refs)
+        window["limit"] = 2 * normal[1] if normal else None  # the acquire rounds' p99
     return {"ratios": ratios, "cleanup": cleanup}
 
 

@@ -185,8 +185,10 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             )
     for store in ("sqlite", "postgresql"):
         windows = [r for r in runs if r["target"] == f"{store}:cleanup"]
-        normal = _find(runs, store, "acquire", 64)
+        normal = headline(runs, store, refs)
         if windows and normal:
+            first = _find(runs, store, "acquire", 64)
+            normal_p99, rounds = normal[1], normal[2]
             worst = max(r["p99_ms"] for r in windows)
             median = statistics.median(r["p99_ms"] for r in windows)
             longest = max(r["max_ms"] for r in windows)
@@ -200,6 +202,12 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 None,
             )
             context = f"; {grown['target']}, no cleanup: {grown['p99_ms']:.1f} ms" if grown else ""
+            # The normal p99 is the acquire target's: of every round's requests together.
+            of_rounds = (
+                f" (all acquire rounds; the first alone: {first['p99_ms']:.1f} ms)"
+                if rounds and first
+                else ""
+            )
             windowed = (
                 f"windows of {windows[0]['seconds']:.0f} s: median p99 {median:.1f}, "
                 f"worst {worst:.1f}; longest request {longest:.0f} ms"
@@ -213,10 +221,10 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 measured = f"{worst:.1f} ms worst window"
             add(
                 f"{store} p99 during cleanup",
-                f"{measured} vs {normal['p99_ms']:.1f} ms normal "
-                f"({during / normal['p99_ms']:.2f}x; {windowed}){context}",
+                f"{measured} vs {normal_p99:.1f} ms normal{of_rounds} "
+                f"({during / normal_p99:.2f}x; {windowed}){context}",
                 "<= 2x",
-                during <= 2 * normal["p99_ms"],
+                during <= 2 * normal_p99,
             )
     etcd = _find(runs, "etcd", "etcd_acquire", 64)
     if etcd is not None:

@@ -15,6 +15,7 @@ def run(target: str, workload: str, ops: float, p99: float = 5.0, **extra: Any) 
         "connections": extra.pop("connections", 64),
         "ops_per_s": ops,
         "p99_ms": p99,
+        "errors": 0,
         "extra": extra,
     }
 
