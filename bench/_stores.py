@@ -32,19 +32,11 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import quote
 
+from leasekeeper._core.model import LeaseRecord
 from leasekeeper.store import StoreURLError, open_store
 
-COLUMNS = (
-    "key_id",
-    "fingerprint",
-    "absolute_expires_ms",
-    "fencing_token",
-    "owner",
-    "lease_expires_ms",
-    "completed_ms",
-    "result",
-    "updated_ms",
-)
+#: The leases table's columns: ``LeaseRecord``'s fields, in their order.
+COLUMNS = LeaseRecord.__struct_fields__
 _RESULT = '{"charge":"ch_3MtwBwLkdIwHu7ix28a3tqPa","amount":4200,"currency":"EUR"}'
 _CHUNK = 50_000
 

@@ -83,18 +83,8 @@ _SELECT_MANY = (
 )
 #: Keys per SELECT: far below SQLite's limit on bound parameters (32,766).
 _SELECT_CHUNK = 500
-#: The record's columns, in the order of ``LeaseRecord``'s fields.
-_COLUMNS = (
-    "key_id",
-    "fingerprint",
-    "absolute_expires_ms",
-    "fencing_token",
-    "owner",
-    "lease_expires_ms",
-    "completed_ms",
-    "result",
-    "updated_ms",
-)
+#: The record's columns: ``LeaseRecord``'s fields, in their order.
+_COLUMNS = LeaseRecord.__struct_fields__
 _UPSERT_INTO = (
     "INSERT INTO leases (key_id, fingerprint, absolute_expires_ms, fencing_token, owner, "
     "lease_expires_ms, completed_ms, result, updated_ms) VALUES "
