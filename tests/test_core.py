@@ -442,12 +442,25 @@ class TestSecrets:
             "ns_" + "A" * 42 + "B",  # not a canonical encoding of 32 bytes
             "ns_" + "A" * 42 + "=",
             "ns_" + "A" * 41 + "+A",
+            "ns_" + "A" * 43 + "\n",
             "",
         ],
     )
     def test_malformed_namespaces_are_refused(self, bad: str) -> None:
         """Anything but a canonical ns_ + 43 base64url string is not a namespace."""
         assert secrets.parse_namespace(bad) is None
+
+    def test_only_text_of_a_namespaces_length_is_kept_in_the_cache(self) -> None:
+        """parse_namespace keeps its answers, but a client's 60 KB "namespace" (the body
+        limit is 64 KiB) must not stay in memory: 1,024 of them would be 60 MB."""
+        kept = secrets._parse_namespace.cache_info().currsize
+        huge = "ns_" + "A" * 60_000
+        assert secrets.parse_namespace(huge) is None
+        assert secrets._parse_namespace.cache_info().currsize == kept
+        ns = secrets.format_namespace(bytes(range(1, 33)))
+        assert secrets.parse_namespace(ns) == bytes(range(1, 33))
+        assert secrets.parse_namespace(ns) == bytes(range(1, 33))  # answered from the cache
+        assert secrets._parse_namespace.cache_info().hits >= 1
 
     def test_key_ids_are_unrelated_across_namespaces_and_bare_keys(self) -> None:
         """The same key in two namespaces, or bare, has three different ids."""

@@ -75,13 +75,24 @@ def format_owner_token(random32: bytes) -> str:
     return OWNER_PREFIX + _b64(random32)
 
 
-@functools.lru_cache(maxsize=1024)
+#: A namespace's length: the prefix and 43 base64url characters.
+_NAMESPACE_LENGTH = len(NAMESPACE_PREFIX) + 43
+
+
 def parse_namespace(namespace: str) -> bytes | None:
     """The namespace's 32 secret bytes, or None when it is not a well-formed namespace.
 
     Every request names its namespace and workers use few: the answers for the
     1,024 most recent are kept, as ``_namespace_macs`` keeps their HMAC states (the
-    pattern and base64's Python layers cost about 5 % of an acquire)."""
+    pattern and base64's Python layers cost about 5 % of an acquire). Only text of
+    a namespace's length is kept: a client's 60 KB "namespace" is refused unkept."""
+    if len(namespace) != _NAMESPACE_LENGTH:
+        return None
+    return _parse_namespace(namespace)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse_namespace(namespace: str) -> bytes | None:
     if not _NAMESPACE_RE.match(namespace):
         return None
     try:
