@@ -399,31 +399,39 @@ def test_connections_over_the_cap_get_json_503(tmp_path: Path) -> None:
 
 
 def test_sqlite_writer_survives_a_failing_batch(tmp_path: Path) -> None:
-    """A fault on the commit thread, outside any single operation, fails that batch only:
+    """A fault in a batch's COMMIT, outside any single operation, fails that batch only:
     nothing of it is kept, and the store keeps serving."""
+
+    class Flaky:
+        """The writer's connection, as the event loop uses it: its first COMMIT fails."""
+
+        def __init__(self, conn: Any) -> None:
+            self.conn = conn
+            self.commits = 0
+
+        def execute(self, sql: str, *args: Any) -> Any:
+            if sql == "COMMIT":
+                self.commits += 1
+                if self.commits == 1:
+                    raise RuntimeError("simulated fault")
+            return self.conn.execute(sql, *args)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.conn, name)
 
     async def main() -> None:
         store = SqliteStore(tmp_path / "w.db", FakeClock())
         service = LeaseService(store)
         await service.start()
-        original = store._commit
-        calls = 0
-
-        def flaky(conn: Any, results: Any) -> Any:
-            nonlocal calls
-            calls += 1
-            if calls == 1:
-                raise RuntimeError("simulated fault")
-            return original(conn, results)
-
-        store._commit = flaky  # type: ignore[method-assign]
+        flaky = Flaky(store._conn)
+        store._conn = flaky  # type: ignore[assignment]
         body = {"namespace": "ns_" + "E" * 42 + "A", "key": "k"}
         with pytest.raises(LeaseError) as first:
             await service.handle("acquire", body)
         assert first.value.status == "internal"
         # The failed batch's grant was rolled back: the key is free, not held.
         assert (await service.handle("acquire", body)).created
-        assert calls == 2
+        assert flaky.commits == 2
         await service.stop()
 
     asyncio.run(main())

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
+import logging
+import os
 import secrets
 import sqlite3
 import threading
@@ -430,3 +433,166 @@ def test_the_writer_binds_no_bytes_and_no_none(tmp_path: Path) -> None:
     asyncio.run(main())
     assert bound  # the recording saw the batches' parameters
     assert [value for value in bound if value is None or isinstance(value, bytes)] == []
+
+
+def test_no_answer_before_the_fsync_of_the_wal_and_the_next_batch_does_not_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch is committed on the loop without an fsync (``synchronous=NORMAL``) and
+    answered only after the thread's fsync of the WAL; meanwhile the loop decides and
+    commits the next batch, on what the first one wrote, and answers it (a 409
+    included) only after an fsync that began after its COMMIT."""
+    path = tmp_path / "d.db"
+    entered, release = threading.Event(), threading.Event()
+    syncs_done = 0
+    real = SqliteStore._sync_wal
+
+    def gated(self: SqliteStore) -> None:
+        nonlocal syncs_done
+        entered.set()
+        assert release.wait(10), "the test never released the fsync"
+        real(self)
+        syncs_done += 1
+
+    monkeypatch.setattr(SqliteStore, "_sync_wal", gated)
+
+    def committed() -> int:
+        with contextlib.closing(sqlite3.connect(path)) as conn:
+            (count,) = conn.execute("SELECT count(*) FROM leases").fetchone()
+            return int(count)
+
+    async def main() -> None:
+        store = SqliteStore(path, FakeClock())
+        await store.open()
+        key = new_id()
+        syncs_at_answer: dict[str, int] = {}
+
+        def queue(name: str, command: Any) -> asyncio.Future[Any]:
+            future = asyncio.ensure_future(store.apply(command))
+            future.add_done_callback(lambda _: syncs_at_answer.setdefault(name, syncs_done))
+            return future
+
+        first = queue("first", Acquire(key, None, TTL, new_id(), LIFECYCLE))
+        assert await asyncio.to_thread(entered.wait, 10)  # the thread is in its fsync
+        assert committed() == 1 and not first.done()
+        held = queue("held", Acquire(key, None, TTL, new_id(), LIFECYCLE))
+        other = queue("other", Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        deadline = time.monotonic() + 10
+        while committed() < 2:  # the loop commits the next batch while the fsync waits
+            assert time.monotonic() < deadline, "the second batch was never committed"
+            await asyncio.sleep(0.01)
+        assert not (first.done() or held.done() or other.done())
+        release.set()
+        assert isinstance((await first).outcome, Granted)
+        assert isinstance((await held).outcome, Held)
+        assert isinstance((await other).outcome, Granted)
+        await store.close()
+        assert syncs_at_answer["first"] >= 1
+        assert syncs_at_answer["held"] >= 2 and syncs_at_answer["other"] >= 2
+
+    asyncio.run(main())
+
+
+def test_the_fsync_is_of_the_wal_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the thread fsyncs before answering is the WAL, where a COMMIT writes."""
+    from leasekeeper.store import _sqlite
+
+    synced: list[str] = []
+    fdatasync = os.fdatasync
+
+    def recording(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fdatasync(fd)
+
+    monkeypatch.setattr(_sqlite.os, "fdatasync", recording)
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "w.db", FakeClock())
+        await store.open()
+        assert synced == []
+        decision = await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        assert isinstance(decision.outcome, Granted)
+        assert synced == [str((tmp_path / "w.db").resolve()) + "-wal"]
+        await store.purge(100)  # a task runs whole on the thread, and is synced too
+        assert len(synced) == 2
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_failed_fsync_refuses_its_batches_and_everything_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After a failed fsync the kernel may have dropped the pages it could not write,
+    so a later fsync proves nothing: the batches it covered, the batch committed while
+    it ran, and every later call get 503, and no fsync is tried again."""
+    entered, release = threading.Event(), threading.Event()
+    calls = 0
+
+    def failing(self: SqliteStore) -> None:
+        nonlocal calls
+        calls += 1
+        entered.set()
+        assert release.wait(10), "the test never released the fsync"
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(SqliteStore, "_sync_wal", failing)
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "e.db", FakeClock())
+        await store.open()
+        first = queue_acquire(store)
+        assert await asyncio.to_thread(entered.wait, 10)
+        second = queue_acquire(store)  # committed on the loop while the fsync runs
+        for _ in range(5):
+            await asyncio.sleep(0)
+        release.set()
+        for future in (first, second):
+            with pytest.raises(ServiceUnavailable, match="durable"):
+                await future
+        with pytest.raises(ServiceUnavailable, match="durable"):
+            await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        with pytest.raises(ServiceUnavailable):
+            await store.ping()
+        await store.close()
+
+    with caplog.at_level(logging.CRITICAL, logger="leasekeeper.store.sqlite"):
+        asyncio.run(main())
+    assert calls == 1
+    assert [r.levelname for r in caplog.records if "fsync" in r.getMessage()] == ["CRITICAL"]
+
+
+def test_a_catch_up_runs_on_the_thread_between_two_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the checkpointer falls behind (a long WAL), the writer's connection copies
+    the rest itself: on the thread, before the next batch, which the loop decides
+    only after it, and the WAL can start over."""
+    from leasekeeper.store import _sqlite
+
+    seen: list[tuple[str, bool, bool]] = []
+    catch_up = _sqlite._Checkpointer.catch_up
+
+    def recording(self: Any, conn: sqlite3.Connection) -> None:
+        seen.append((threading.current_thread().name, conn.in_transaction, self.behind))
+        catch_up(self, conn)
+
+    monkeypatch.setattr(_sqlite._Checkpointer, "catch_up", recording)
+    path = tmp_path / "r.db"
+
+    async def main() -> None:
+        store = SqliteStore(path, FakeClock())
+        await store.open()
+        await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        assert store._checkpointer is not None
+        store._checkpointer.behind = True  # as a pass over a long WAL leaves it
+        decisions = await asyncio.gather(*(queue_acquire(store) for _ in range(20)))
+        assert all(isinstance(d.outcome, Granted) for d in decisions)
+        assert seen == [("leasekeeper-sqlite", False, True)]
+        assert not store._checkpointer.behind
+        await store.close()
+
+    asyncio.run(main())
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("SELECT count(*) FROM leases").fetchone() == (21,)
+        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)

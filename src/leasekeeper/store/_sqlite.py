@@ -1,27 +1,35 @@
-"""The embedded SQLite store: group commit, full durability, COMMITs off the event loop.
+"""The embedded SQLite store: group commit, every answer after an fsync, none on the loop.
 
 Requests queue on the event loop. When the connection is free, the loop takes the
 queued lease commands (up to ``max_batch``), opens a ``BEGIN IMMEDIATE``
 transaction without waiting for the lock, reads their records with one statement,
-decides each in turn, writes them with one statement, and hands the COMMIT to a
-thread, which answers the requests only once it is durable::
+decides each in turn, writes them with one statement and COMMITs, which only hands
+the WAL's new pages to the operating system (``synchronous=NORMAL``). A thread then
+fsyncs the WAL, once for every batch committed since its last fsync, and only then
+are those batches answered::
 
-    event loop:  req1 req2 req3 ─► BEGIN IMMEDIATE, decide 1, 2, 3 ──► thread: COMMIT
-                 req4 req5 (queue while the thread commits)               (one fsync)
-                 answer 1, 2, 3 ◄─────────────────────────────────────────────┘
-                 BEGIN IMMEDIATE, decide 4, 5 ──► thread: COMMIT ...
+    event loop:  req1 req2 req3 ─► decide 1, 2, 3, COMMIT ──► thread: fsync(WAL)
+                 req4 req5 ─► decide 4, 5, COMMIT ──────────►  (one fsync for both,
+                 answer 1, 2, 3, 4, 5 ◄──────────────────────    when it came late)
 
-The loop's part is quick work in memory (the records read are in SQLite's page
-cache or the operating system's); everything that can wait (a COMMIT's fsync, a
-write lock held by another process, a cleanup step, WAL checkpoints) happens on
-threads, so the loop parses the next requests while the last batch is being made
-durable. Decisions on the loop rather than on the thread keep all of the Python
-work on one thread: the two threads do not take turns holding the GIL for every
-statement, and the batch commits while the loop works. Tasks (cleanup steps,
-pings) and any batch that finds the write lock taken run whole on the thread. WAL
-checkpoints run on a third thread and connection (``_Checkpointer``). The fencing
-counter lives in its own row and is read inside each transaction, so it never
-goes back, not even when every record is deleted.
+So a request is acknowledged only once its batch is on the disk, which is what
+``synchronous=FULL`` gives, but the fsync no longer holds the connection: the loop
+decides and commits the next batch while the last one is being made durable,
+instead of waiting for the thread (which must first take the GIL from the busy
+loop) to COMMIT and hand the connection back. Each batch is decided on what the
+batches before it committed; since WAL frames are appended in commit order, one
+fsync covers every batch committed before it, and a crash loses only batches that
+nobody was told about. If an fsync fails, its batches and every later one are
+refused, and so is everything after: the store answers 503 until it is restarted,
+because after a failed fsync the kernel may have dropped the pages it could not
+write, and a later fsync that succeeds would prove nothing.
+
+Everything that can wait (the fsync, a write lock held by another process, a
+cleanup step, a checkpoint) happens on threads: tasks (cleanup steps, pings) and
+any batch that finds the write lock taken run whole on the thread, which holds the
+connection meanwhile. WAL checkpoints run on a third thread and connection
+(``_Checkpointer``). The fencing counter lives in its own row and is read inside
+each transaction, so it never goes back, not even when every record is deleted.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import collections
 import contextlib
 import functools
 import logging
+import os
 import queue
 import sqlite3
 import threading
@@ -168,6 +177,11 @@ def _write_failed() -> ServiceUnavailable:
     return ServiceUnavailable("The lease store could not complete the write")
 
 
+def _not_durable() -> ServiceUnavailable:
+    """What every request gets once an fsync of the WAL has failed (logged apart)."""
+    return ServiceUnavailable("The lease store could not make its writes durable")
+
+
 @dataclass(slots=True)
 class _Op:
     """One request for the connection: a lease ``command``, or else a ``task``."""
@@ -179,10 +193,13 @@ class _Op:
 
 #: What the thread hands back to the event loop: each op with its outcome.
 _Results = list[tuple[_Op, Any]]
-#: Work for the thread: a batch, with the results the loop decided for it in its open
-#: transaction (to COMMIT and answer), or with None to run whole on the thread (a task,
-#: or commands that found the write lock taken). None alone stops the thread.
-_Job = tuple[list[_Op], _Results | None]
+#: Work for the thread, one of three kinds (None alone stops the thread):
+#: ``_DURABLE`` with the results of a batch the loop committed: fsync, then answer;
+#: ``_WHOLE`` with ops to run whole on the thread, holding the connection (a task, or
+#: commands that found the write lock taken); ``_CATCH_UP``: a checkpoint on the
+#: writer's connection (``_Checkpointer.catch_up``), which the thread holds meanwhile.
+_Job = tuple[str, list[_Op], _Results]
+_DURABLE, _WHOLE, _CATCH_UP = "durable", "whole", "catch-up"
 
 
 class SqliteStore:
@@ -211,6 +228,11 @@ class SqliteStore:
         #: The connection is in a batch: the loop's statements or the thread's job.
         self._busy = False
         self._idle = asyncio.Event()
+        #: Set by the thread: the first fsync of the WAL that failed (then every call fails).
+        self._failed: Exception | None = None
+        #: The WAL file, opened by the thread to fsync it; the checkpointer likewise.
+        self._wal_fd = -1
+        self._checkpointer: _Checkpointer | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -310,6 +332,8 @@ class SqliteStore:
         loop = asyncio.get_running_loop()
         if self._thread is None or self._loop is None:
             raise ServiceUnavailable("The lease store is not open")
+        if self._failed is not None:
+            raise _not_durable()
         if loop is not self._loop:  # a caller on another event loop (thread): forward
             if not self._loop.is_running():
                 raise ServiceUnavailable("The lease store's event loop is not running")
@@ -336,12 +360,19 @@ class SqliteStore:
         pending = self._pending
         while pending and pending[0].future.done():  # timed out while queued
             pending.popleft()
+        if self._failed is not None:  # nothing more is written: see the module's docstring
+            while pending:
+                settle(pending.popleft().future, _not_durable())
         if not pending:
             self._busy = False
             self._idle.set()
             return
+        checkpointer = self._checkpointer
+        if checkpointer is not None and checkpointer.behind:  # catch_up clears it
+            self._jobs.put((_CATCH_UP, [], []))
+            return
         if pending[0].command is None:
-            self._jobs.put(([pending.popleft()], None))
+            self._jobs.put((_WHOLE, [pending.popleft()], []))
             return
         batch: list[_Op] = []
         while pending and len(batch) < self._max_batch and pending[0].command is not None:
@@ -351,11 +382,12 @@ class SqliteStore:
         try:
             conn.execute("BEGIN IMMEDIATE")  # busy_timeout is 0 on this connection
         except sqlite3.Error:
-            self._jobs.put((batch, None))
+            self._jobs.put((_WHOLE, batch, []))
             return
         results: _Results = []
         try:
             self._decide_in_transaction(conn, batch, results)
+            conn.execute("COMMIT")  # to the OS: the thread fsyncs before anyone is answered
         except BaseException as exc:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
@@ -369,14 +401,20 @@ class SqliteStore:
                 raise
             for op in batch:
                 settle(op.future, error)
-            asyncio.get_running_loop().call_soon(self._next)  # not recursion: a new turn
-            return
-        self._jobs.put((batch, results))
+        else:
+            self._jobs.put((_DURABLE, batch, results))
+        # The connection is free again: what arrived meanwhile is the next batch (on the
+        # next turn of the loop, not by recursion).
+        asyncio.get_running_loop().call_soon(self._next)
 
-    def _finished(self, results: _Results) -> None:
-        """On the event loop: answer a batch the thread is done with; start the next."""
+    def _answer(self, results: _Results) -> None:
+        """On the event loop: answer batches the thread has made durable."""
         for op, outcome in results:
             settle(op.future, outcome)
+
+    def _finished(self, results: _Results) -> None:
+        """On the event loop: answer what the thread ran whole; the connection is free."""
+        self._answer(results)
         self._next()
 
     def _sync_thread(
@@ -393,41 +431,69 @@ class SqliteStore:
         checkpointer = _Checkpointer(self.path, self._timeout)
         if not checkpointer.start():
             conn.execute("PRAGMA wal_autocheckpoint = 1000")  # SQLite's own, in the COMMITs
+        self._checkpointer = checkpointer
         loop.call_soon_threadsafe(settle, ready, conn)
+        # Jobs taken off the queue ahead of their turn, while gathering _DURABLE ones.
+        backlog: collections.deque[_Job | None] = collections.deque()
         try:
-            while (job := self._jobs.get()) is not None:
-                batch, decided = job
-                try:
-                    if decided is not None:
-                        results = self._commit(conn, decided)
-                    else:
+            while (job := backlog.popleft() if backlog else self._jobs.get()) is not None:
+                kind, batch, results = job
+                if kind == _DURABLE:
+                    # Every batch committed by now is on the queue: one fsync for them all.
+                    results = list(results)
+                    while True:
+                        try:
+                            more = self._jobs.get_nowait()
+                        except queue.Empty:
+                            break
+                        if more is None or more[0] != _DURABLE:
+                            backlog.append(more)
+                            break
+                        results += more[2]
+                    answer = self._answer
+                elif kind == _WHOLE:
+                    try:
                         results = self._run_batch(conn, batch)
-                except Exception:  # never let the thread die: its waiters would hang
-                    log.exception("SQLite writer failed a batch of %d operations", len(batch))
-                    results = [(op, InternalError()) for op in batch]
-                    with contextlib.suppress(sqlite3.Error):
-                        if conn.in_transaction:  # nothing of the batch is kept
-                            conn.execute("ROLLBACK")
-                checkpointer.poke()
-                # Before the answer: once _finished runs, the loop uses the connection.
-                checkpointer.catch_up(conn)
+                    except Exception:  # never let the thread die: its waiters would hang
+                        log.exception("SQLite writer failed a batch of %d operations", len(batch))
+                        results = [(op, InternalError()) for op in batch]
+                        with contextlib.suppress(sqlite3.Error):
+                            if conn.in_transaction:  # nothing of the batch is kept
+                                conn.execute("ROLLBACK")
+                    answer = self._finished  # and the loop may use the connection again
+                else:
+                    checkpointer.catch_up(conn)
+                    answer = self._finished
+                if results:
+                    results = self._durable(results)
+                    checkpointer.poke()
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                    loop.call_soon_threadsafe(self._finished, results)
+                    loop.call_soon_threadsafe(answer, results)
         finally:
             checkpointer.stop()
             conn.close()
+            os.close(self._wal_fd)
 
-    @staticmethod
-    def _commit(conn: sqlite3.Connection, results: _Results) -> _Results:
-        try:
-            conn.execute("COMMIT")
-        except sqlite3.Error as exc:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            log.error("SQLite commit failed, %d operations refused: %s", len(results), exc)
-            error = _write_failed()
-            return [(op, error) for op, _ in results]
-        return results
+    def _durable(self, results: _Results) -> _Results:
+        """On the thread: fsync the WAL, so that ``results`` may be answered; if it fails,
+        they (and every later call: ``_failed``) are refused instead."""
+        if self._failed is None:
+            try:
+                self._sync_wal()
+                return results
+            except Exception as exc:  # OSError, in practice; anything else proves nothing
+                self._failed = exc
+                log.critical(
+                    "fsync of the SQLite WAL failed (%s): the lease store refuses every "
+                    "request until leasekeeper is restarted; check the disk first",
+                    exc,
+                )
+        error = _not_durable()
+        return [(op, error) for op, _ in results]
+
+    def _sync_wal(self) -> None:
+        """Make every COMMIT so far durable: the fsync ``synchronous=FULL`` makes in each."""
+        os.fdatasync(self._wal_fd)
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(
@@ -465,6 +531,15 @@ class SqliteStore:
         # The event loop takes the write lock without waiting (SqliteStore._next); the
         # thread sets the timeout around its own BEGIN (_run_batch).
         conn.execute("PRAGMA busy_timeout = 0")
+        # From here a COMMIT writes the WAL without an fsync, and the thread fsyncs it
+        # before any answer (_durable). NORMAL still syncs the WAL's header when the WAL
+        # starts over, and both files around each checkpoint, as FULL does.
+        conn.execute("PRAGMA synchronous = NORMAL")
+        try:  # the WAL exists from the first read in WAL mode on, for as long as we are open
+            self._wal_fd = os.open(f"{self.path.resolve()}-wal", os.O_RDONLY)
+        except OSError:
+            conn.close()
+            raise
         return conn
 
     def _run_batch(self, conn: sqlite3.Connection, batch: list[_Op]) -> _Results:
