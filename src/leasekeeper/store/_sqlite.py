@@ -430,7 +430,8 @@ class SqliteStore:
             return
         checkpointer = _Checkpointer(self.path, self._timeout)
         if not checkpointer.start():
-            conn.execute("PRAGMA wal_autocheckpoint = 1000")  # SQLite's own, in the COMMITs
+            # SQLite's own, in the COMMITs: the loop's, which then wait for each checkpoint.
+            conn.execute("PRAGMA wal_autocheckpoint = 1000")
         self._checkpointer = checkpointer
         loop.call_soon_threadsafe(settle, ready, conn)
         # Jobs taken off the queue ahead of their turn, while gathering _DURABLE ones.
@@ -647,8 +648,8 @@ class _Checkpointer:
     than ``_WAL_RESTART_FRAMES`` pages, the writer itself copies, between two batches,
     the few frames committed while this thread's pass ran (``catch_up``), and its next
     write starts the WAL over. Every checkpoint syncs the WAL before copying and the
-    database file after (``synchronous=FULL``), so a crash at any point loses nothing
-    acknowledged.
+    database file after (at ``synchronous=NORMAL`` as at ``FULL``), so a crash at any
+    point loses nothing acknowledged.
 
     The writer waits for its catch-up, so it must stay short: it copies what was
     committed during this thread's last pass, and a pass is shorter the more often
