@@ -596,3 +596,35 @@ def test_a_catch_up_runs_on_the_thread_between_two_batches(
     with contextlib.closing(sqlite3.connect(path)) as conn:
         assert conn.execute("SELECT count(*) FROM leases").fetchone() == (21,)
         assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+
+
+def test_closing_waits_for_the_fsync_of_every_committed_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close while batches are committed but not yet durable answers them once their
+    fsync is done, not before, and then stops the thread."""
+    entered, release = threading.Event(), threading.Event()
+    real = SqliteStore._sync_wal
+
+    def gated(self: SqliteStore) -> None:
+        entered.set()
+        assert release.wait(10), "the test never released the fsync"
+        real(self)
+
+    monkeypatch.setattr(SqliteStore, "_sync_wal", gated)
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "z.db", FakeClock())
+        await store.open()
+        queued = [queue_acquire(store) for _ in range(10)]
+        assert await asyncio.to_thread(entered.wait, 10)
+        closing = asyncio.ensure_future(store.close())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not closing.done() and not any(f.done() for f in queued)
+        release.set()
+        await closing
+        assert all(isinstance(f.result().outcome, Granted) for f in queued)
+        assert store.fencing_counter() == 10
+
+    asyncio.run(main())
