@@ -19,10 +19,10 @@ instead of waiting for the thread (which must first take the GIL from the busy
 loop) to COMMIT and hand the connection back. Each batch is decided on what the
 batches before it committed; since WAL frames are appended in commit order, one
 fsync covers every batch committed before it, and a crash loses only batches that
-nobody was told about. If an fsync fails, its batches and every later one are
-refused, and so is everything after: the store answers 503 until it is restarted,
-because after a failed fsync the kernel may have dropped the pages it could not
-write, and a later fsync that succeeds would prove nothing.
+nobody was told about. If an fsync fails, the batches it covered and every request
+after it are refused: the store answers 503 until it is restarted, because after a
+failed fsync the kernel may have dropped the pages it could not write, and a later
+fsync that succeeds would prove nothing.
 
 Everything that can wait (the fsync, a write lock held by another process, a
 cleanup step, a checkpoint) happens on threads: tasks (cleanup steps, pings) and
