@@ -640,8 +640,9 @@ class _Checkpointer:
     SQLite's automatic checkpoint runs inside the COMMIT that takes the WAL past 1,000
     pages: that batch of requests waits while pages are copied and the database file
     is fsynced, tens of milliseconds that made most of the p99 under load. Instead the
-    writer pokes this thread after every commit, and it runs a PASSIVE checkpoint (which
-    never waits for, nor blocks, the writer) at most every ``interval`` seconds.
+    writer's thread pokes this one after every fsync of the WAL, and it runs a PASSIVE
+    checkpoint (which never waits for, nor blocks, the writer) at most every
+    ``interval`` seconds.
 
     A WAL starts over only when a write begins while every frame is checkpointed, which
     a busy writer never allows, so the WAL would grow without end. Once it holds more
