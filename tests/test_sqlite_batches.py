@@ -17,6 +17,7 @@ import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -435,6 +436,27 @@ def test_the_writer_binds_no_bytes_and_no_none(tmp_path: Path) -> None:
     assert [value for value in bound if value is None or isinstance(value, bytes)] == []
 
 
+class GatedFsync:
+    """Stands in for the WAL's fsync (``SqliteStore._sync_wal``): each call counts, sets
+    ``entered``, waits until the test sets ``release``, then does ``then`` (the real
+    fsync unless told otherwise) and counts as ``done``."""
+
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, then: Callable[[SqliteStore], None] | None = None
+    ) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.calls = self.done = 0
+        self._then = then or SqliteStore._sync_wal
+        monkeypatch.setattr(SqliteStore, "_sync_wal", lambda store: self.sync(store))
+
+    def sync(self, store: SqliteStore) -> None:
+        self.calls += 1
+        self.entered.set()
+        assert self.release.wait(10), "the test never released the fsync"
+        self._then(store)
+        self.done += 1
+
+
 def test_no_answer_before_the_fsync_of_the_wal_and_the_next_batch_does_not_wait(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -443,18 +465,7 @@ def test_no_answer_before_the_fsync_of_the_wal_and_the_next_batch_does_not_wait(
     commits the next batch, on what the first one wrote, and answers it (a 409
     included) only after an fsync that began after its COMMIT."""
     path = tmp_path / "d.db"
-    entered, release = threading.Event(), threading.Event()
-    syncs_done = 0
-    real = SqliteStore._sync_wal
-
-    def gated(self: SqliteStore) -> None:
-        nonlocal syncs_done
-        entered.set()
-        assert release.wait(10), "the test never released the fsync"
-        real(self)
-        syncs_done += 1
-
-    monkeypatch.setattr(SqliteStore, "_sync_wal", gated)
+    gate = GatedFsync(monkeypatch)
 
     def committed() -> int:
         with contextlib.closing(sqlite3.connect(path)) as conn:
@@ -469,11 +480,11 @@ def test_no_answer_before_the_fsync_of_the_wal_and_the_next_batch_does_not_wait(
 
         def queue(name: str, command: Any) -> asyncio.Future[Any]:
             future = asyncio.ensure_future(store.apply(command))
-            future.add_done_callback(lambda _: syncs_at_answer.setdefault(name, syncs_done))
+            future.add_done_callback(lambda _: syncs_at_answer.setdefault(name, gate.done))
             return future
 
         first = queue("first", Acquire(key, None, TTL, new_id(), LIFECYCLE))
-        assert await asyncio.to_thread(entered.wait, 10)  # the thread is in its fsync
+        assert await asyncio.to_thread(gate.entered.wait, 10)  # the thread is in its fsync
         assert committed() == 1 and not first.done()
         held = queue("held", Acquire(key, None, TTL, new_id(), LIFECYCLE))
         other = queue("other", Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
@@ -482,7 +493,7 @@ def test_no_answer_before_the_fsync_of_the_wal_and_the_next_batch_does_not_wait(
             assert time.monotonic() < deadline, "the second batch was never committed"
             await asyncio.sleep(0.01)
         assert not (first.done() or held.done() or other.done())
-        release.set()
+        gate.release.set()
         assert isinstance((await first).outcome, Granted)
         assert isinstance((await held).outcome, Held)
         assert isinstance((await other).outcome, Granted)
@@ -526,27 +537,21 @@ def test_a_failed_fsync_refuses_its_batches_and_everything_after(
     """After a failed fsync the kernel may have dropped the pages it could not write,
     so a later fsync proves nothing: the batches it covered, the batch committed while
     it ran, and every later call get 503, and no fsync is tried again."""
-    entered, release = threading.Event(), threading.Event()
-    calls = 0
 
-    def failing(self: SqliteStore) -> None:
-        nonlocal calls
-        calls += 1
-        entered.set()
-        assert release.wait(10), "the test never released the fsync"
+    def failing(store: SqliteStore) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(SqliteStore, "_sync_wal", failing)
+    gate = GatedFsync(monkeypatch, then=failing)
 
     async def main() -> None:
         store = SqliteStore(tmp_path / "e.db", FakeClock())
         await store.open()
         first = queue_acquire(store)
-        assert await asyncio.to_thread(entered.wait, 10)
+        assert await asyncio.to_thread(gate.entered.wait, 10)
         second = queue_acquire(store)  # committed on the loop while the fsync runs
         for _ in range(5):
             await asyncio.sleep(0)
-        release.set()
+        gate.release.set()
         for future in (first, second):
             with pytest.raises(ServiceUnavailable, match="durable"):
                 await future
@@ -558,7 +563,7 @@ def test_a_failed_fsync_refuses_its_batches_and_everything_after(
 
     with caplog.at_level(logging.CRITICAL, logger="leasekeeper.store.sqlite"):
         asyncio.run(main())
-    assert calls == 1
+    assert gate.calls == 1
     assert [r.levelname for r in caplog.records if "fsync" in r.getMessage()] == ["CRITICAL"]
 
 
@@ -603,26 +608,18 @@ def test_closing_waits_for_the_fsync_of_every_committed_batch(
 ) -> None:
     """A close while batches are committed but not yet durable answers them once their
     fsync is done, not before, and then stops the thread."""
-    entered, release = threading.Event(), threading.Event()
-    real = SqliteStore._sync_wal
-
-    def gated(self: SqliteStore) -> None:
-        entered.set()
-        assert release.wait(10), "the test never released the fsync"
-        real(self)
-
-    monkeypatch.setattr(SqliteStore, "_sync_wal", gated)
+    gate = GatedFsync(monkeypatch)
 
     async def main() -> None:
         store = SqliteStore(tmp_path / "z.db", FakeClock())
         await store.open()
         queued = [queue_acquire(store) for _ in range(10)]
-        assert await asyncio.to_thread(entered.wait, 10)
+        assert await asyncio.to_thread(gate.entered.wait, 10)
         closing = asyncio.ensure_future(store.close())
         for _ in range(5):
             await asyncio.sleep(0)
         assert not closing.done() and not any(f.done() for f in queued)
-        release.set()
+        gate.release.set()
         await closing
         assert all(isinstance(f.result().outcome, Granted) for f in queued)
         assert store.fencing_counter() == 10
