@@ -396,3 +396,91 @@ def test_a_slowloris_flood_cannot_lock_out_a_normal_client(server: Server) -> No
     metrics = httpx.get(f"{server.url}/metrics").text
     line = next(m for m in metrics.splitlines() if m.startswith("leasekeeper_slow_clients_total"))
     assert 'stage="headers"' in line and float(line.split()[-1]) >= CAP
+
+
+# -- upgrade offers (a real server: uvicorn's httptools protocol) ------------------------------
+
+#: What ``curl --http2`` adds to a request on plain HTTP (Java's HttpClient and Ktor alike).
+H2C_OFFER = (
+    b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+    b"HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+)
+LAST = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+
+
+def exchange(server: Server, *parts: bytes) -> list[tuple[int, Any]]:
+    """Send ``parts`` on one connection, a moment apart; every response until the server
+    closes it, as (status, JSON body)."""
+    sock = connect(server)
+    for part in parts:
+        sock.sendall(part)
+        time.sleep(0.05)
+    data = b""
+    with contextlib.suppress(ConnectionResetError, TimeoutError):
+        while chunk := sock.recv(65536):
+            data += chunk
+    sock.close()
+    answers = []
+    while data:
+        head, _, data = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+        length = int(headers["content-length"])
+        answers.append((int(lines[0].split()[1]), json.loads(data[:length])))
+        data = data[length:]
+    return answers
+
+
+def acquire_with_offer(ns: str, key: str, chunked: bool = False) -> tuple[bytes, bytes]:
+    """An acquire that offers an upgrade to h2c: its head and its body."""
+    payload = json.dumps({"namespace": ns, "key": key}).encode()
+    head = b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\n" + H2C_OFFER
+    head += b"Content-Type: application/json\r\n"
+    if chunked:
+        body = b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (
+            10,
+            payload[:10],
+            len(payload) - 10,
+            payload[10:],
+        )
+        return head + b"Transfer-Encoding: chunked\r\n\r\n", body
+    return head + b"Content-Length: %d\r\n\r\n" % len(payload), payload
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+@pytest.mark.parametrize("split", [False, True], ids=["one-packet", "body-later"])
+def test_an_offer_to_upgrade_to_h2c_is_ignored_and_the_request_served(
+    server: Server, chunked: bool, split: bool
+) -> None:
+    """The offer is ignored (RFC 9110, 7.8): the acquire is served with its body, and the
+    requests after it on the connection are too. (uvicorn alone gave the app an empty
+    body, 400, and left the connection hanging.)"""
+    ns = httpx.post(f"{server.api}/lease/namespace").json()["namespace"]
+    head, body = acquire_with_offer(ns, f"h2c-{chunked}-{split}", chunked)
+    parts = (head, body + LAST) if split else (head + body + LAST,)
+    answers = exchange(server, *parts)
+    assert [(status, body["status"]) for status, body in answers] == [(201, "held"), (200, "alive")]
+
+
+@pytest.mark.slow
+def test_every_offer_on_a_connection_is_ignored(server: Server) -> None:
+    """Three acquires that each offer h2c on one connection, the second on a key the
+    first holds: 201 held, 409 held, 201 held, then the last request."""
+    ns = httpx.post(f"{server.api}/lease/namespace").json()["namespace"]
+    requests = [b"".join(acquire_with_offer(ns, key)) for key in ("a", "a", "b")]
+    answers = exchange(server, *requests, LAST)
+    assert [(status, body["status"]) for status, body in answers] == [
+        (201, "held"),
+        (409, "held"),
+        (201, "held"),
+        (200, "alive"),
+    ]
+
+
+@pytest.mark.slow
+def test_a_malformed_body_after_an_offer_gets_a_json_400(server: Server) -> None:
+    head, _ = acquire_with_offer("ns_x", "k", chunked=True)
+    assert exchange(server, head + b"ZZ\r\n") == [
+        (400, {"ok": False, "status": "invalid", "error": "The request is not valid HTTP/1.1"})
+    ]

@@ -16,6 +16,11 @@ headers not complete in time get a JSON ``408 timeout`` and the connection is
 closed. A request whose headers arrive in one packet (every normal client) never
 starts a timer. Malformed HTTP gets a JSON ``400 invalid`` instead of uvicorn's
 plain text, so every answer is a JSON object.
+
+On httptools, an offer to upgrade the connection that is not taken (``Upgrade:
+h2c``, which ``curl --http2``, Java's HttpClient and Ktor send on plain HTTP) is
+ignored, as RFC 9110 (section 7.8) lets a server do, and the request is served as
+HTTP/1.1 with its body (``_IgnoredUpgrade``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import httptools
 import orjson
 
 from leasekeeper._errors import InvalidRequest, LeaseError, RequestTimeout
@@ -109,15 +115,110 @@ class _SlowClientGuard:
             self.transport.close()
 
 
+class _IgnoredUpgrade:
+    """Mixed in before uvicorn's httptools protocol: serves a request that offers an
+    upgrade the server does not take as if it had not offered it, body included.
+
+    llhttp ends such a request at its headers and hands back every byte after them
+    as the new protocol's. uvicorn then logs "Unsupported upgrade request", runs the
+    app with an empty body, and feeds nothing more to the stopped parser: the body is
+    lost (a client's valid acquire got 400) and the connection hangs (uvicorn#2722).
+    Here a new parser is given the request's head again, without the offer, and then
+    those bytes: the body goes to the request already started, and what follows is
+    parsed as usual. Where a WebSocket library is installed (leasekeeper needs none),
+    a WebSocket upgrade still goes to uvicorn's; a ``CONNECT`` is left to uvicorn too.
+    """
+
+    # uvicorn's HttpToolsProtocol's, used as it uses them.
+    parser: Any
+    cycle: Any
+    url: bytes
+    headers: list[tuple[bytes, bytes]]
+    scope: Any
+    logger: Any
+
+    def data_received(self, data: bytes) -> None:
+        # uvicorn's own, but for what an upgrade it does not take does.
+        self._unset_keepalive_if_required()  # type: ignore[attr-defined]
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.logger.warning("Invalid HTTP request received.")
+            self.send_400_response("Invalid HTTP request received.")  # type: ignore[attr-defined]
+        except httptools.HttpParserUpgrade as upgrade:
+            if self._should_upgrade():  # type: ignore[attr-defined]
+                self.handle_websocket_upgrade()  # type: ignore[attr-defined]
+            elif self.scope["method"] == "CONNECT":  # what follows is a tunnel's, not a body
+                self._unsupported_upgrade_warning()  # type: ignore[attr-defined]
+            else:
+                self._lk_ignore_upgrade(data[upgrade.args[0] :])
+
+    def _lk_ignore_upgrade(self, after_head: bytes) -> None:
+        """Parse ``after_head`` (the bytes after the head of the request that offered
+        the upgrade) as the rest of that request, and whatever follows it."""
+        head = [self.scope["method"].encode("ascii"), b" ", self.url]
+        head += [b" HTTP/", self.scope["http_version"].encode("ascii"), b"\r\n"]
+        for name, value in self.headers:
+            if name == b"connection":
+                tokens = [t for t in value.split(b",") if t.strip().lower() != b"upgrade"]
+                value = b",".join(tokens)
+            if name != b"upgrade" and value.strip():
+                head += [name, b": ", value, b"\r\n"]
+        head.append(b"\r\n")
+        # The parser told the request its body was over: it was not.
+        self.cycle.more_body = True
+        self.cycle.message_event.clear()
+        self.parser = httptools.HttpRequestParser(_AfterReplayedHead(self))
+        _IgnoredUpgrade.data_received(self, b"".join(head) + after_head)
+
+
+class _AfterReplayedHead:
+    """The callbacks of the parser that ``_IgnoredUpgrade`` gives a request's head
+    again: that head is dropped (its request has begun already), and everything
+    after it goes to the protocol."""
+
+    __slots__ = ("_in_head", "_protocol")
+
+    def __init__(self, protocol: Any) -> None:
+        self._protocol = protocol
+        self._in_head = True
+
+    def on_message_begin(self) -> None:
+        if not self._in_head:
+            self._protocol.on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        if not self._in_head:
+            self._protocol.on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_head:
+            self._protocol.on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        if self._in_head:
+            self._in_head = False
+        else:
+            self._protocol.on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._protocol.on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._protocol.on_message_complete()
+
+
 def guard_protocol(
     base: type[asyncio.Protocol],
     request_timeout: float,
     on_timeout: Callable[[], None] | None = None,
 ) -> type[asyncio.Protocol]:
-    """``base`` (uvicorn's httptools or h11 protocol) with the slow-client guard."""
+    """``base`` (uvicorn's httptools or h11 protocol) with the slow-client guard, and on
+    httptools with upgrade offers ignored (h11 ignores them itself)."""
     hook = staticmethod(on_timeout) if on_timeout is not None else None
     namespace = {"request_timeout": request_timeout, "on_timeout": hook}
-    guarded: type[asyncio.Protocol] = type(
-        f"Guarded{base.__name__}", (_SlowClientGuard, base), namespace
-    )
+    mixins: tuple[type, ...] = (_SlowClientGuard,)
+    if hasattr(base, "on_headers_complete"):  # httptools' callbacks: uvicorn's httptools protocol
+        mixins += (_IgnoredUpgrade,)
+    guarded: type[asyncio.Protocol] = type(f"Guarded{base.__name__}", (*mixins, base), namespace)
     return guarded
