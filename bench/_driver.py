@@ -22,8 +22,8 @@ requests: one run's ratio moved by up to 20 % from one run to the next on a shar
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
+import http.client
 import json
 import os
 import platform
@@ -33,7 +33,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -449,27 +451,44 @@ class Bench:
         namespace = _mint(server)
         path = self.workdir / f"holders-{_tag()}.txt"
         started = time.monotonic()
-        tokens = asyncio.run(_acquire_many(server.url, namespace, self.plan.holders))
+        tokens = _acquire_many(server.url, namespace, self.plan.holders)
         path.write_text("".join(f"{key} {token}\n" for key, token in tokens))
         print(f"   {len(tokens):,} holders acquired in {time.monotonic() - started:.1f} s")
         return namespace, path
 
 
-async def _acquire_many(url: str, namespace: str, count: int) -> list[tuple[str, str]]:
-    keys = iter(range(count))
-    tokens: list[tuple[str, str]] = []
-    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+def _acquire_many(url: str, namespace: str, count: int, workers: int = 16) -> list[tuple[str, str]]:
+    """Acquire keys ``holder-0`` to ``holder-<count - 1>`` for an hour; (key, owner token).
 
-        async def worker() -> None:
-            for i in keys:
-                key = f"holder-{i}"
-                body = {"namespace": namespace, "key": key, "ttl_seconds": 3600}
-                response = await client.post("/services/v1/lease", json=body)
-                response.raise_for_status()
-                tokens.append((key, response.json()["owner_token"]))
+    Through the standard library's ``http.client``, one keep-alive connection per
+    thread: httpx's async client made about 430 acquires a second here, which took
+    some 25 s for the heartbeat's 10,000 holders, six times per store; this makes
+    about 3,500 a second.
+    """
+    host = urllib.parse.urlsplit(url).netloc  # host:port
 
-        await asyncio.gather(*(worker() for _ in range(32)))
-    return tokens
+    def acquire(first: int) -> list[tuple[str, str]]:
+        connection = http.client.HTTPConnection(host, timeout=30)
+        tokens = []
+        try:
+            for number in range(first, count, workers):
+                key = f"holder-{number}"
+                body = json.dumps({"namespace": namespace, "key": key, "ttl_seconds": 3600})
+                connection.request("POST", "/services/v1/lease", body, _JSON)
+                response = connection.getresponse()
+                answer = response.read()
+                if response.status != 201:
+                    raise RuntimeError(f"acquiring a holder: {response.status} {answer[:200]!r}")
+                tokens.append((key, json.loads(answer)["owner_token"]))
+        finally:
+            connection.close()
+        return tokens
+
+    with ThreadPoolExecutor(workers) as pool:
+        return [token for part in pool.map(acquire, range(workers)) for token in part]
+
+
+_JSON = {"content-type": "application/json"}
 
 
 def _mint(server: Process) -> str:

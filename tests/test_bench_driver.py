@@ -9,11 +9,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from bench import _driver
 from bench._driver import Bench, Plan
 from bench._report import ratio, references
 from bench._wrk import Run
+
+from tests._server import running_server
 
 
 def fake_run(target: str, workload: str, connections: int, rate: float) -> Run:
@@ -140,3 +143,18 @@ def test_acquire_runs_four_more_rounds_each_on_a_fresh_store_between_references(
 
 def test_a_quick_run_makes_a_single_round() -> None:
     assert Plan.make(quick=True, records=None).rounds == 1
+
+
+def test_holders_are_acquired_with_their_own_tokens(tmp_path: Path) -> None:
+    """``_acquire_many`` takes every key once, each with the token that renews it; a key
+    that someone else holds stops it with the server's answer."""
+    with running_server("memory://", tmp_path / "server.log") as server:
+        namespace = httpx.post(f"{server.api}/lease/namespace").json()["namespace"]
+        holders = _driver._acquire_many(server.url, namespace, 50, workers=4)
+        assert sorted(key for key, _ in holders) == sorted(f"holder-{n}" for n in range(50))
+        for key, token in holders[::7]:
+            body = {"namespace": namespace, "key": key, "owner_token": token}
+            renewed = httpx.post(f"{server.api}/lease/renew", json=body)
+            assert (renewed.status_code, renewed.json()["status"]) == (200, "held")
+        with pytest.raises(RuntimeError, match="acquiring a holder: 409"):
+            _driver._acquire_many(server.url, namespace, 1)
