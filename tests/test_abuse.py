@@ -460,7 +460,10 @@ def test_an_offer_to_upgrade_to_h2c_is_ignored_and_the_request_served(
     head, body = acquire_with_offer(ns, f"h2c-{chunked}-{split}", chunked)
     parts = (head, body + LAST) if split else (head + body + LAST,)
     answers = exchange(server, *parts)
-    assert [(status, body["status"]) for status, body in answers] == [(201, "held"), (200, "alive")]
+    assert [(status, answer["status"]) for status, answer in answers] == [
+        (201, "held"),
+        (200, "alive"),
+    ]
 
 
 @pytest.mark.slow
@@ -470,7 +473,7 @@ def test_every_offer_on_a_connection_is_ignored(server: Server) -> None:
     ns = httpx.post(f"{server.api}/lease/namespace").json()["namespace"]
     requests = [b"".join(acquire_with_offer(ns, key)) for key in ("a", "a", "b")]
     answers = exchange(server, *requests, LAST)
-    assert [(status, body["status"]) for status, body in answers] == [
+    assert [(status, answer["status"]) for status, answer in answers] == [
         (201, "held"),
         (409, "held"),
         (201, "held"),
@@ -480,6 +483,7 @@ def test_every_offer_on_a_connection_is_ignored(server: Server) -> None:
 
 @pytest.mark.slow
 def test_a_malformed_body_after_an_offer_gets_a_json_400(server: Server) -> None:
+    """The rest of the request is parsed as strictly as any: a bad chunk size is 400."""
     head, _ = acquire_with_offer("ns_x", "k", chunked=True)
     assert exchange(server, head + b"ZZ\r\n") == [
         (400, {"ok": False, "status": "invalid", "error": "The request is not valid HTTP/1.1"})
