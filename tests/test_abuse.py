@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -19,15 +20,18 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 from hypothesis import given
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from leasekeeper import LeaseService, Settings
 from leasekeeper.http import create_app
 from leasekeeper.http._app import _larger_than
+from leasekeeper.http._protocol import guard_protocol
 from leasekeeper.store import MemoryStore
-from tests._server import Server, running_server
+from tests._server import Server, free_port, running_server
 from tests.conftest import FakeMonotonic
 
 BASE = "/services/v1"
@@ -408,10 +412,10 @@ H2C_OFFER = (
 LAST = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
 
 
-def exchange(server: Server, *parts: bytes) -> list[tuple[int, Any]]:
-    """Send ``parts`` on one connection, a moment apart; every response until the server
-    closes it, as (status, JSON body)."""
-    sock = connect(server)
+def exchange(url: str, *parts: bytes) -> list[tuple[int, Any]]:
+    """Send ``parts`` on one connection to the server at ``url``, a moment apart; every
+    response until the server closes it, as (status, JSON body)."""
+    sock = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=5)
     for part in parts:
         sock.sendall(part)
         time.sleep(0.05)
@@ -459,7 +463,7 @@ def test_an_offer_to_upgrade_to_h2c_is_ignored_and_the_request_served(
     ns = httpx.post(f"{server.api}/lease/namespace").json()["namespace"]
     head, body = acquire_with_offer(ns, f"h2c-{chunked}-{split}", chunked)
     parts = (head, body + LAST) if split else (head + body + LAST,)
-    answers = exchange(server, *parts)
+    answers = exchange(server.url, *parts)
     assert [(status, answer["status"]) for status, answer in answers] == [
         (201, "held"),
         (200, "alive"),
@@ -472,7 +476,7 @@ def test_every_offer_on_a_connection_is_ignored(server: Server) -> None:
     first holds: 201 held, 409 held, 201 held, then the last request."""
     ns = httpx.post(f"{server.api}/lease/namespace").json()["namespace"]
     requests = [b"".join(acquire_with_offer(ns, key)) for key in ("a", "a", "b")]
-    answers = exchange(server, *requests, LAST)
+    answers = exchange(server.url, *requests, LAST)
     assert [(status, answer["status"]) for status, answer in answers] == [
         (201, "held"),
         (409, "held"),
@@ -485,6 +489,35 @@ def test_every_offer_on_a_connection_is_ignored(server: Server) -> None:
 def test_a_malformed_body_after_an_offer_gets_a_json_400(server: Server) -> None:
     """The rest of the request is parsed as strictly as any: a bad chunk size is 400."""
     head, _ = acquire_with_offer("ns_x", "k", chunked=True)
-    assert exchange(server, head + b"ZZ\r\n") == [
+    assert exchange(server.url, head + b"ZZ\r\n") == [
         (400, {"ok": False, "status": "invalid", "error": "The request is not valid HTTP/1.1"})
     ]
+
+
+@pytest.mark.slow
+def test_the_h11_protocol_serves_an_offer_with_its_body_too() -> None:
+    """Without httptools, uvicorn's h11 protocol (guarded, but with no upgrade mixin)
+    ignores the offer by itself: the acquire and the request after it are served."""
+    port = free_port()
+    app = create_app(LeaseService(MemoryStore()), run_cleanup=False)
+    config = uvicorn.Config(
+        app, port=port, http=guard_protocol(H11Protocol, 5.0), log_config=None, lifespan="on"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        url = f"http://127.0.0.1:{port}"
+        ns = httpx.post(f"{url}{BASE}/lease/namespace").json()["namespace"]
+        head, body = acquire_with_offer(ns, "h11")
+        answers = exchange(url, head, body + LAST)
+        assert [(status, answer["status"]) for status, answer in answers] == [
+            (201, "held"),
+            (200, "alive"),
+        ]
+    finally:
+        server.should_exit = True
+        thread.join(10)
