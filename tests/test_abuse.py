@@ -495,6 +495,27 @@ def test_a_malformed_body_after_an_offer_gets_a_json_400(server: Server) -> None
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("rest", "expected"),
+    [
+        (b"Content-Length: 100\r\n\r\n{", (408, "timeout")),
+        (b"Content-Length: 10000000\r\n\r\n{", (413, "too_large")),
+        (b"Transfer-Encoding: chunked\r\n\r\nFFFFFFFF\r\n" + b"x" * 70_000, (413, "too_large")),
+    ],
+    ids=["body-never-comes", "declared-too-large", "chunked-too-large"],
+)
+def test_an_offer_changes_nothing_about_the_body_limits(
+    server: Server, rest: bytes, expected: tuple[int, str]
+) -> None:
+    """After an offer the body is held to the same deadline and size as any."""
+    sock = connect(server)
+    sock.sendall(b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\n" + H2C_OFFER + rest)
+    status, _, body, took = answer(sock)
+    assert (status, body["status"]) == expected
+    assert took <= TIMEOUT + 2
+
+
+@pytest.mark.slow
 def test_the_h11_protocol_serves_an_offer_with_its_body_too() -> None:
     """Without httptools, uvicorn's h11 protocol (guarded, but with no upgrade mixin)
     ignores the offer by itself: the acquire and the request after it are served."""
