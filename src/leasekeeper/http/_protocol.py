@@ -149,7 +149,7 @@ class _IgnoredUpgrade:
             if self._should_upgrade():  # type: ignore[attr-defined]
                 self.handle_websocket_upgrade()  # type: ignore[attr-defined]
             elif self.scope["method"] == "CONNECT":  # what follows is a tunnel's, not a body
-                self._unsupported_upgrade_warning()  # type: ignore[attr-defined]
+                self.logger.warning("Unsupported upgrade request.")
             else:
                 self._lk_ignore_upgrade(data[upgrade.args[0] :])
 
