@@ -126,7 +126,8 @@ class _IgnoredUpgrade:
     Here a new parser is given the request's head again, without the offer, and then
     those bytes: the body goes to the request already started, and what follows is
     parsed as usual. Where a WebSocket library is installed (leasekeeper needs none),
-    a WebSocket upgrade still goes to uvicorn's; a ``CONNECT`` is left to uvicorn too.
+    a WebSocket upgrade still goes to uvicorn's; a ``CONNECT`` is left as uvicorn
+    leaves it (its target is refused with a 400 before this point is reached).
     """
 
     # uvicorn's HttpToolsProtocol's, used as it uses them.
