@@ -139,7 +139,7 @@ class _IgnoredUpgrade:
     logger: Any
 
     def data_received(self, data: bytes) -> None:
-        # uvicorn's own, but for what an upgrade it does not take does.
+        # uvicorn's own, except for an upgrade it does not take (_lk_ignore_upgrade).
         self._unset_keepalive_if_required()  # type: ignore[attr-defined]
         try:
             self.parser.feed_data(data)
