@@ -15,10 +15,15 @@ from leasekeeper.store._base import Deadlines
 
 
 class ManualLoop:
-    """An asyncio loop whose ``time()`` is ``now``, moved by the test."""
+    """An asyncio loop whose ``time()`` is ``now``, moved by the test.
+
+    Always asyncio's own loop, whatever the event loop policy: uvloop's timers run on
+    libuv's clock and never read ``time()``, and uvicorn before 0.36 makes uvloop's
+    policy the process's when a test runs a server in process.
+    """
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop: asyncio.AbstractEventLoop = asyncio.SelectorEventLoop()
         self.now = 1_000.0
         self.loop.time = lambda: self.now  # type: ignore[method-assign]
 
