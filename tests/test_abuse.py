@@ -311,23 +311,30 @@ def test_malformed_http_gets_a_json_400(server: Server, request_bytes: bytes) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [b"Content-Length", b" Content-Length", b"Content-Length "])
+@pytest.mark.parametrize("name", [b" Content-Length", b"Content-Length "])
 def test_a_content_length_that_a_proxy_might_read_otherwise_is_refused(
     server: Server, name: bytes
 ) -> None:
     """A Content-Length folded onto the line before it, or with a space before its colon,
     is where a lenient parser and a proxy in front of it can disagree on where a body
-    ends (request smuggling): the parser refuses it, and the body, a valid acquire when
-    the header is plain, is not served."""
-    body = json.dumps({"key": uuid.uuid4().hex + uuid.uuid4().hex}).encode()
-    head = b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-    sock = connect(server)
-    sock.sendall(head + name + b": %d\r\n\r\n" % len(body) + body)
-    status, _, reply, _ = answer(sock)
-    if name == b"Content-Length":
-        assert (status, reply["status"]) == (201, "held")
-    else:
-        assert (status, reply["error"]) == (400, "The request is not valid HTTP/1.1")
+    ends (request smuggling): the parser refuses it, and the body is not served."""
+
+    def acquire(header: bytes) -> tuple[int, Any]:
+        body = json.dumps({"key": uuid.uuid4().hex + uuid.uuid4().hex}).encode()
+        sock = connect(server)
+        sock.sendall(
+            b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            + header
+            + b": %d\r\n\r\n" % len(body)
+            + body
+        )
+        status, _, reply, _ = answer(sock)
+        return status, reply
+
+    status, reply = acquire(b"Content-Length")  # the same request, plainly: served
+    assert (status, reply["status"]) == (201, "held")
+    status, reply = acquire(name)
+    assert (status, reply["error"]) == (400, "The request is not valid HTTP/1.1")
 
 
 @pytest.mark.slow
