@@ -233,18 +233,28 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 def connect(server: Server) -> socket.socket:
-    port = int(server.url.rsplit(":", 1)[1])
+    return connect_to(server.url)
+
+
+def connect_to(url: str) -> socket.socket:
+    port = int(url.rsplit(":", 1)[1])
     return socket.create_connection(("127.0.0.1", port), timeout=5)
 
 
-def answer(sock: socket.socket) -> tuple[int, dict[str, str], Any, float]:
-    """Read until the server closes: status, headers, JSON body, and seconds it took."""
-    started = time.monotonic()
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (or goes quiet)."""
     data = b""
     with contextlib.suppress(ConnectionResetError, TimeoutError):
         while chunk := sock.recv(65536):
             data += chunk
     sock.close()
+    return data
+
+
+def answer(sock: socket.socket) -> tuple[int, dict[str, str], Any, float]:
+    """Read until the server closes: status, headers, JSON body, and seconds it took."""
+    started = time.monotonic()
+    data = read_until_closed(sock)
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     status = int(lines[0].split()[1])
@@ -442,15 +452,11 @@ LAST = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
 def exchange(url: str, *parts: bytes) -> list[tuple[int, Any]]:
     """Send ``parts`` on one connection to the server at ``url``, a moment apart; every
     response until the server closes it, as (status, JSON body)."""
-    sock = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=5)
+    sock = connect_to(url)
     for part in parts:
         sock.sendall(part)
         time.sleep(0.05)
-    data = b""
-    with contextlib.suppress(ConnectionResetError, TimeoutError):
-        while chunk := sock.recv(65536):
-            data += chunk
-    sock.close()
+    data = read_until_closed(sock)
     answers = []
     while data:
         head, _, data = data.partition(b"\r\n\r\n")
@@ -549,7 +555,13 @@ def test_the_h11_protocol_serves_an_offer_with_its_body_too() -> None:
     port = free_port()
     app = create_app(LeaseService(MemoryStore()), run_cleanup=False)
     config = uvicorn.Config(
-        app, port=port, http=guard_protocol(H11Protocol, 5.0), log_config=None, lifespan="on"
+        app,
+        port=port,
+        http=guard_protocol(H11Protocol, 5.0),
+        # asyncio's loop: uvicorn before 0.36 would make uvloop's policy the process's.
+        loop="asyncio",
+        log_config=None,
+        lifespan="on",
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
