@@ -29,6 +29,7 @@ from leasekeeper._core.model import (
     Renew,
     Renewed,
 )
+from leasekeeper._schemas import AcquireBody, parse_body
 from leasekeeper.store import decide_with_fence
 
 KEY = b"k" * 32
@@ -240,6 +241,18 @@ class TestKeys:
         """Length, ASCII and whitespace rules for keys without a namespace."""
         with pytest.raises(InvalidRequest, match="32 to 200 printable ASCII"):
             validation.check_bare_key(key)
+
+    @pytest.mark.parametrize(
+        ("key", "rule"),
+        [("a\ud800", "lone surrogates"), ("\udfffb", "lone surrogates"), ("k\x00", "control")],
+    )
+    def test_namespaced_keys_refuse_what_has_no_utf8(self, key: str, rule: str) -> None:
+        """A key in a namespace with a control character or a lone surrogate is invalid,
+        checked by the model itself: a program calling ``LeaseService`` directly skips
+        the adapters' JSON checks, and no key id can be taken of text UTF-8 cannot carry."""
+        body = {"namespace": secrets.format_namespace(bytes(32)), "key": key}
+        with pytest.raises(InvalidRequest, match=rule):
+            parse_body(AcquireBody, body)
 
     def test_entropy_is_length_times_per_character_entropy(self) -> None:
         """The measure is len(key) times the Shannon entropy of its own frequencies."""

@@ -466,11 +466,13 @@ def app_with_mcp(clock: FakeClock) -> Iterator[TestClient]:
 
 
 def call_over_mcp(
-    client: TestClient, era: str, name: str, arguments: dict[str, Any]
+    client: TestClient, era: str, name: str, arguments: dict[str, Any] | str
 ) -> CallToolResult:
     """One stateless tools/call POST to /mcp, as a handshake-era or a 2026-07-28 client
-    sends it (the SDK serves the two on different paths)."""
-    params: dict[str, Any] = {"name": name, "arguments": arguments}
+    sends it (the SDK serves the two on different paths). ``arguments`` as a string is
+    sent as raw JSON text, as no client's JSON encoder would write it."""
+    raw = isinstance(arguments, str)
+    params: dict[str, Any] = {"name": name, "arguments": "RAW" if raw else arguments}
     headers = dict(_MCP_HEADERS)
     if era == _MODERN:
         params["_meta"] = {
@@ -479,7 +481,11 @@ def call_over_mcp(
         }
         headers |= {"mcp-protocol-version": _MODERN, "mcp-method": "tools/call", "mcp-name": name}
     message = {"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": params}
-    response = client.post("/mcp", json=message, headers=headers)
+    text = json.dumps(message)
+    if isinstance(arguments, str):
+        text = text.replace('"RAW"', arguments)
+    headers["content-type"] = "application/json"
+    response = client.post("/mcp", content=text.encode(), headers=headers)
     assert response.status_code == 200, response.text
     return CallToolResult.model_validate(response.json()["result"])
 
@@ -528,6 +534,31 @@ def test_mcp_route_keeps_the_api_guarantees(app_with_mcp: TestClient) -> None:
     slash = app_with_mcp.post("/mcp/", json=_INITIALIZE, headers=_MCP_HEADERS)
     assert slash.status_code == 200 and not slash.history
     assert slash.json()["result"]["serverInfo"]["name"] == "leasekeeper"
+
+
+@pytest.mark.parametrize("era", ERAS)
+@pytest.mark.parametrize("number", ["NaN", "-Infinity", "1e999"])
+def test_numbers_json_does_not_have_are_invalid_over_mcp(
+    app_with_mcp: TestClient, era: str, number: str
+) -> None:
+    """``NaN``, ``Infinity`` and a number past a double, which the SDK's JSON-RPC parser
+    reads as floats, are tool errors with status invalid, as in an HTTP body, wherever
+    they are in the arguments; the lease stays as it was."""
+    namespace = app_with_mcp.post("/services/v1/lease/namespace", json={}).json()["namespace"]
+    lease = {"namespace": namespace, "key": "job"}
+    token = body(call_over_mcp(app_with_mcp, era, "acquire_lease", lease))["owner_token"]
+    owned = json.dumps({**lease, "owner_token": token})[:-1]  # to add fields to
+    for name, arguments in [
+        ("complete_lease", f'{owned}, "result": {{"x": [1, {number}]}}}}'),
+        ("renew_lease", f'{owned}, "ttl_seconds": {number}}}'),
+    ]:
+        reply = call_over_mcp(app_with_mcp, era, name, arguments)
+        assert reply.is_error and body(reply)["status"] == "invalid", body(reply)
+        assert body(reply)["error"].startswith("Body is not valid JSON: a number is")
+    done = call_over_mcp(
+        app_with_mcp, era, "complete_lease", {**lease, "owner_token": token, "result": 1}
+    )
+    assert body(done)["status"] == "completed"
 
 
 def test_mcp_route_limits_bodies_and_hosts(app_with_mcp: TestClient) -> None:

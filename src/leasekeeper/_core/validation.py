@@ -35,6 +35,8 @@ MAX_RESULT_BYTES = 32_768
 MIN_BARE_KEY_BITS = 100.0
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+#: A control character or a lone surrogate (which no UTF-8 can carry).
+_CONTROL_OR_SURROGATE = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
 _BARE_KEY = re.compile(r"[\x21-\x7e]{32,200}\Z")
 _REDACTED = "[redacted]"
 _SECRET_WORDS = (
@@ -143,7 +145,9 @@ def _parse_strict(body: bytes) -> dict[str, Any]:
 
 
 def check_tree(root: dict[str, Any]) -> None:
-    """Reject nesting deeper than MAX_DEPTH and strings with lone surrogates."""
+    """Reject nesting deeper than MAX_DEPTH, strings with lone surrogates, and floats
+    that are NaN or infinite: what the strict parser refuses and a JSON-RPC parser
+    (the MCP SDK's) lets through (it reads ``NaN``, ``Infinity`` and ``1e999``)."""
     # Only non-ASCII text can hold a surrogate: the common all-ASCII string costs one
     # isascii() here rather than a call.
     stack: list[tuple[Any, int]] = [(root, 1)]
@@ -160,6 +164,8 @@ def check_tree(root: dict[str, Any]) -> None:
                         _check_surrogates(child)
                 elif isinstance(child, dict | list):
                     stack.append((child, depth + 1))
+                elif isinstance(child, float) and not math.isfinite(child):
+                    raise InvalidRequest(_NOT_FINITE)
         else:
             for child in node:
                 if isinstance(child, str):
@@ -167,6 +173,11 @@ def check_tree(root: dict[str, Any]) -> None:
                         _check_surrogates(child)
                 elif isinstance(child, dict | list):
                     stack.append((child, depth + 1))
+                elif isinstance(child, float) and not math.isfinite(child):
+                    raise InvalidRequest(_NOT_FINITE)
+
+
+_NOT_FINITE = "Body is not valid JSON: a number is NaN, infinite or too large for a double"
 
 
 def _check_surrogates(text: str) -> None:
@@ -179,11 +190,17 @@ def _check_surrogates(text: str) -> None:
 
 
 def check_text(field: str, value: str, *, max_chars: int) -> None:
-    """A non-empty string of at most ``max_chars`` characters without control characters."""
+    """A non-empty string of at most ``max_chars`` characters without control characters.
+
+    Nor lone surrogates: the HTTP and MCP adapters refuse them before (``check_tree``),
+    a program calling ``LeaseService`` itself might not, and no digest can be taken of
+    text that has no UTF-8 encoding."""
     if not 1 <= len(value) <= max_chars:
         raise InvalidRequest(f"Invalid {field}: must be 1 to {max_chars} characters")
-    if _CONTROL.search(value):
-        raise InvalidRequest(f"Invalid {field}: must not contain control characters")
+    if _CONTROL_OR_SURROGATE.search(value):
+        if _CONTROL.search(value):
+            raise InvalidRequest(f"Invalid {field}: must not contain control characters")
+        raise InvalidRequest(f"Invalid {field}: must not contain lone surrogates")
 
 
 def check_namespaced_key(key: str) -> None:
