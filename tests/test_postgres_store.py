@@ -29,6 +29,7 @@ from leasekeeper._core.model import (
     CompletedOutcome,
     Granted,
     Held,
+    Release,
     Renew,
     Renewed,
 )
@@ -565,6 +566,52 @@ def test_a_blocked_table_answers_unavailable_within_the_timeout(
     for secret in (key, owner):
         assert secret.hex() not in logged
         assert repr(secret) not in logged
+
+
+def test_a_request_answered_503_while_its_batch_waited_is_not_decided(
+    make_store: StoreFactory, url: str
+) -> None:
+    """A request whose deadline passes while its batch waits for a row lock has been
+    told 503: when the lock comes free, nothing is written for it, and no fence drawn."""
+    store = make_store("postgres", timeout_seconds=1, max_batches=1)
+    first, second = new_id(), new_id()
+
+    async def main() -> None:
+        async with opened(store):
+            for key in (first, second):  # rows to lock, and no live lease on them
+                owner = new_id()
+                await store.apply(acquire(key, owner))
+                await store.apply(Release(key, owner))
+            schema = store.schema  # type: ignore[attr-defined]
+            with admin(url) as blocker:
+                blocker.execute("BEGIN")
+                blocker.execute(
+                    f"SELECT 1 FROM {schema}.leasekeeper_leases WHERE key_id = ANY(%s) FOR UPDATE",
+                    ([first, second],),
+                )
+                # The first batch waits for its lock until the store's timeout; the
+                # second request waits behind it (one batch at a time), then for the
+                # lock, and its caller's deadline passes meanwhile.
+                waiting = asyncio.ensure_future(store.apply(acquire(first)))
+                await asyncio.sleep(0.3)
+                with pytest.raises(ServiceUnavailable):
+                    await store.apply(acquire(second))
+                with pytest.raises(ServiceUnavailable):
+                    await waiting
+                blocker.execute("ROLLBACK")  # the second batch gets its lock now
+            # Runs after the second batch (one batch at a time), on another key.
+            after = await store.apply(acquire())
+            with admin(url) as check:
+                rows = check.execute(
+                    f"SELECT owner IS NULL, fencing_token FROM {schema}.leasekeeper_leases "
+                    "WHERE key_id = ANY(%s)",
+                    ([first, second],),
+                ).fetchall()
+            assert sorted(rows) == [(True, 1), (True, 2)]  # both as released, untouched
+            # Two fences drawn before, none for the requests answered 503: this is the third.
+            assert after.outcome.record.fencing_token == 3  # type: ignore[union-attr]
+
+    asyncio.run(main())
 
 
 def free_port() -> int:

@@ -483,6 +483,14 @@ class PostgresStore:
             else:
                 assert clock is not None
                 now_ms = clock.now_ms()
+            # A caller whose deadline passed while its batch waited (for a runner, a
+            # connection or these row locks) has been told 503 already: nothing is
+            # decided for it, or a lease could be granted whose token nobody holds,
+            # and the key would answer "held" for its whole ttl.
+            batch = [pending for pending in batch if not pending.future.done()]
+            if not batch:
+                await conn.execute("ROLLBACK")
+                return _Batch([], [])
             found = {bytes(row[0]): LeaseRecord(bytes(row[0]), *row[1:]) for row in rows}
             # The rules say which commands grant a new owner; fences are drawn for
             # exactly those, and the batch is decided again with them (the rules are
