@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -126,6 +127,57 @@ def test_the_lifecycle_end_stops_the_command(tmp_path: Path) -> None:
     assert report["status"] == "lost"
     assert "lifecycle" in report["error"]
     assert report["command"] == "stopped with SIGTERM"
+
+
+def process_state(pid: int) -> str:
+    """The state letter in ``/proc/PID/stat`` (``T``: stopped)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+def until(condition: Any, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_ctrl_z_stops_the_command_with_run(server: str, tmp_path: Path) -> None:
+    """SIGTSTP to ``run`` stops the command too, so that no command works on while its
+    renewals are stopped; SIGCONT continues it while the lease is held, and once the
+    lease expired meanwhile the command gets SIGTERM instead and run exits 11."""
+    env = cli_env(server, LEASEKEEPER_NAMESPACE=mint(server))
+    ticks = tmp_path / "ticks"
+    run = subprocess.Popen(
+        [LEASEKEEPER, "run", "--key", "paused", "--ttl", "2", "--grace", "5", "--",
+         "sh", "-c", f"trap 'echo term >> {ticks}; exit 0' TERM; "
+                     f"while :; do echo tick >> {ticks}; sleep 0.05; done"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        until(ticks.exists)
+        (command,) = (int(pid) for pid in Path(f"/proc/{run.pid}/task/{run.pid}/children")
+                      .read_text().split())  # fmt: skip
+        os.kill(run.pid, signal.SIGTSTP)
+        until(lambda: process_state(run.pid) == "T" and process_state(command) == "T")
+        os.kill(run.pid, signal.SIGCONT)  # at once: the lease is still held
+        until(lambda: process_state(command) != "T")
+        count = len(ticks.read_text().splitlines())
+        until(lambda: len(ticks.read_text().splitlines()) > count)
+        os.kill(run.pid, signal.SIGTSTP)
+        until(lambda: process_state(run.pid) == "T" and process_state(command) == "T")
+        stopped_at = len(ticks.read_text().splitlines())
+        time.sleep(2.5)  # real processes: the 2 s lease expires while both are stopped
+        assert len(ticks.read_text().splitlines()) == stopped_at
+        os.kill(run.pid, signal.SIGCONT)
+        _, err = run.communicate(timeout=30)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 11, err
+    assert orjson.loads(err.splitlines()[-1])["status"] == "lost"
+    # SIGTERM reached the command before it ran again: no tick after it was stopped.
+    assert ticks.read_text().splitlines()[stopped_at:] == ["term"]
 
 
 def readme_blocks(section: str, language: str) -> list[str]:

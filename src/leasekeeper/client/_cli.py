@@ -478,8 +478,17 @@ def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
 
 
 @contextlib.contextmanager
-def _forward_signals(process: subprocess.Popen[bytes], received: list[int]) -> Iterator[None]:
-    """Pass SIGINT, SIGTERM and SIGHUP on to the command's process group while it runs."""
+def _forward_signals(
+    process: subprocess.Popen[bytes], received: list[int], still_held: Callable[[], bool]
+) -> Iterator[None]:
+    """Pass SIGINT, SIGTERM and SIGHUP on to the command's process group while it runs,
+    and stop the command with ``run`` (SIGTSTP, Ctrl-Z).
+
+    The command has a process group of its own, so a Ctrl-Z would stop ``run`` (and
+    its renewals) but not the command, which went on working past the lease. Now
+    the command is stopped first; when ``run`` is continued, the command continues
+    only if ``still_held()``, and otherwise gets SIGTERM before it runs again.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -488,10 +497,20 @@ def _forward_signals(process: subprocess.Popen[bytes], received: list[int]) -> I
         received.append(signum)
         _signal_group(process, signum)
 
+    def pause(signum: int, frame: FrameType | None) -> None:
+        _signal_group(process, signal.SIGSTOP)
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTSTP)  # stops here, as asked; returns on SIGCONT
+        signal.signal(signal.SIGTSTP, pause)
+        if not still_held():  # expired meanwhile: the loss is handled by the main loop
+            _signal_group(process, signal.SIGTERM)
+        _signal_group(process, signal.SIGCONT)
+
     previous = {
         signum: signal.signal(signum, forward)
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     }
+    previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, pause)
     try:
         yield
     finally:
@@ -618,7 +637,15 @@ def _run_held(
         wake.set()
 
     threading.Thread(target=watch, name="leasekeeper-run-watch", daemon=True).start()
-    with _forward_signals(process, received):
+
+    def still_held() -> bool:
+        try:
+            held.check()  # sets ``lost`` (and so ``wake``) when the lease expired
+        except LeaseLost:
+            return False
+        return True
+
+    with _forward_signals(process, received, still_held):
         wake.wait()
         if held.lost.is_set() and process.poll() is None:
             how = _stop(process, options["grace"])
