@@ -381,21 +381,27 @@ def test_requests_over_the_in_flight_cap_get_json_503(tmp_path: Path) -> None:
 
 
 def test_connections_over_the_cap_get_json_503(tmp_path: Path) -> None:
-    """uvicorn's own connection-limit answer is JSON too (its plain-text default is replaced)."""
+    """LEASEKEEPER_MAX_CONNECTIONS connections are served, one more is not; uvicorn's own
+    connection-limit answer is JSON too (its plain-text default is replaced)."""
     import socket
 
     env = {"LEASEKEEPER_MAX_CONNECTIONS": "2"}
     with running_server(f"sqlite:///{tmp_path / 'conn.db'}", tmp_path / "log", env) as server:
         port = int(server.url.rsplit(":", 1)[1])
-        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
-        try:
-            time.sleep(0.2)  # let the server accept the idle connections
-            response = httpx.get(server.url + "/healthz", timeout=5)
-        finally:
-            for sock in idle:
-                sock.close()
-        assert response.status_code == 503
-        assert response.json()["status"] == "unavailable"
+        answers = []
+        for open_already in (1, 2):
+            idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(open_already)]
+            try:
+                time.sleep(0.2)  # let the server accept the idle connections
+                answers.append(httpx.get(server.url + "/healthz", timeout=5))
+            finally:
+                for sock in idle:
+                    sock.close()
+            time.sleep(0.2)  # and see them closed
+        served, refused = answers
+        assert served.status_code == 200  # the second of two
+        assert refused.status_code == 503  # the third
+        assert refused.json()["status"] == "unavailable"
 
 
 def test_sqlite_writer_survives_a_failing_batch(tmp_path: Path) -> None:

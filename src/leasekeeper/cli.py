@@ -152,7 +152,9 @@ def uvicorn_options(
     return {
         "loop": "uvloop" if _has("uvloop") else "asyncio",
         "http": protocol,
-        "limit_concurrency": settings.max_connections,
+        # uvicorn counts the connection asking among the open ones (refusing at
+        # ``len(connections) >= limit``): one more lets max_connections be open.
+        "limit_concurrency": settings.max_connections + 1,
         "access_log": False,
         "log_config": None,
         "timeout_keep_alive": settings.keep_alive_seconds,
