@@ -229,6 +229,30 @@ def test_acquire_waits_with_backoff_until_the_lease_expires(
     assert told == [("held", 0.25), ("held", 0.5), ("held", 1.0), ("held", 1.0)]
 
 
+@pytest.mark.parametrize(
+    ("status", "body"),
+    [
+        (429, b'{"ok":false,"status":"rate_limited","error":"slow","retry_after_seconds":3}'),
+        (503, b"<html>bad gateway</html>"),
+    ],
+)
+def test_acquire_waits_at_least_retry_after_for_a_limit_or_an_outage(
+    api: Any, fake_time: FakeTime, status: int, body: bytes
+) -> None:
+    """A 429 or a 503 is not polled before its Retry-After, as for a held key: a service
+    that asked its clients to hold off is not pressed sooner; the last try is at the
+    deadline."""
+    client = make_client(
+        api,
+        fake_time,
+        fault=lambda request: httpx.Response(status, content=body, headers={"retry-after": "3"}),
+    )
+    with pytest.raises((RateLimited, ServiceUnavailable)):
+        client.acquire(None, "k" * 40, wait=10)
+    assert fake_time.waits[:3] == [3, 3, 3]
+    assert sum(fake_time.waits) == pytest.approx(10.0)
+
+
 def test_acquire_raises_lease_held_when_the_wait_is_over(
     client: LeaseClient, namespace: str, fake_time: FakeTime
 ) -> None:

@@ -33,6 +33,14 @@ def test_acquire_delay_doubles_and_is_capped() -> None:
     assert acquire_delay(10_000, 60, 1000, 0.0) == MAX_POLL_SECONDS  # no overflow
 
 
+def test_a_limit_or_an_outage_waits_at_least_retry_after() -> None:
+    """Not held: the wait doubles as for a held key but is never below Retry-After."""
+    delays = [acquire_delay(n, 3, 1000, 0.0, held=False) for n in range(6)]
+    assert delays == [3, 3, 3, 3, 4.0, 8.0]
+    assert acquire_delay(0, 3, 1000, 0.999, held=False) == pytest.approx(3.6, abs=0.01)
+    assert acquire_delay(0, 3, 1.5, 0.0, held=False) == 1.5  # the deadline still bounds it
+
+
 def test_jitter_only_lengthens_the_wait() -> None:
     """Jitter adds up to 20 %, so a wait bounded by Retry-After never comes back early."""
     assert acquire_delay(9, 3, 1000, 0.0) == 3

@@ -15,7 +15,7 @@ from typing import Any, ParamSpec
 
 import httpx
 
-from leasekeeper._errors import LeaseError, LeaseLost
+from leasekeeper._errors import LeaseError, LeaseHeld, LeaseLost
 from leasekeeper.client._http import (
     BASE_PATH,
     DEFAULT_TIMEOUT,
@@ -155,7 +155,11 @@ class AsyncLeaseClient:
                 return parse_acquire(await self._post("/lease", body)), sent_at
             except _WAITABLE as error:
                 delay = acquire_delay(
-                    attempt, error.retry_after, deadline - self._monotonic(), self._random()
+                    attempt,
+                    error.retry_after,
+                    deadline - self._monotonic(),
+                    self._random(),
+                    held=isinstance(error, LeaseHeld),
                 )
                 if delay is None:
                     raise

@@ -172,7 +172,11 @@ class LeaseClient:
                 return parse_acquire(self._post("/lease", body)), sent_at
             except _WAITABLE as error:
                 delay = acquire_delay(
-                    attempt, error.retry_after, deadline - self._monotonic(), self._random()
+                    attempt,
+                    error.retry_after,
+                    deadline - self._monotonic(),
+                    self._random(),
+                    held=isinstance(error, LeaseHeld),
                 )
                 if delay is None:
                     raise

@@ -38,22 +38,29 @@ def as_seconds(wait: float | timedelta | None) -> float:
     return seconds
 
 
-def acquire_delay(attempt: int, retry_after: float, remaining: float, rand: float) -> float | None:
+def acquire_delay(
+    attempt: int, retry_after: float, remaining: float, rand: float, *, held: bool = True
+) -> float | None:
     """How long to wait before acquire attempt ``attempt + 1``; None when the wait is over.
 
-    The wait doubles from ``FIRST_POLL_SECONDS`` (a holder may release or complete
-    early), is never longer than the service's ``retry_after`` (the lease's
-    expiry) nor ``MAX_POLL_SECONDS``, and gets up to 20 % more at random
-    (``rand`` in [0, 1)) so that workers told the same ``Retry-After`` do not come
-    back together; jitter only lengthens, so a wait bounded by ``retry_after`` never
-    comes back before the expiry. The last attempt lands on the deadline::
+    The wait doubles from ``FIRST_POLL_SECONDS``, is never longer than
+    ``MAX_POLL_SECONDS``, and gets up to 20 % more at random (``rand`` in [0, 1))
+    so that workers told the same ``Retry-After`` do not come back together. For a
+    ``held`` key it is also never longer than the service's ``retry_after`` (the
+    lease's expiry): a holder may release or complete early, and jitter only
+    lengthens, so the wait never comes back before the expiry. A rate limit or an
+    unavailable service (``held=False``) means what HTTP's ``Retry-After`` means:
+    the wait is at least ``retry_after``, so waiting workers do not press a service
+    that asked them to hold off. The last attempt lands on the deadline::
 
         attempt   0     1     2     3 ...
-        wait    0.25  0.5   1.0   2.0 ...  capped by retry_after, 30 s, remaining
+        wait    0.25  0.5   1.0   2.0 ...  held: capped by retry_after, 30 s, remaining
+                                           else: at least retry_after; capped by remaining
     """
     if remaining <= 0:
         return None
-    base = min(FIRST_POLL_SECONDS * 2.0 ** min(attempt, 16), MAX_POLL_SECONDS, retry_after)
+    base = min(FIRST_POLL_SECONDS * 2.0 ** min(attempt, 16), MAX_POLL_SECONDS)
+    base = min(base, retry_after) if held else max(base, retry_after)
     return min(base * (1.0 + JITTER * rand), remaining)
 
 
