@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import threading
+import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -112,6 +114,33 @@ def test_complete_then_acquire_returns_the_stored_result(
     assert isinstance(again, Completed)
     assert again.result == done.result
     assert again.fencing_token == lease.fencing_token
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        (math.nan, "NaN"),
+        (-math.inf, "infinite"),
+        (datetime(2026, 9, 5, tzinfo=UTC), "type datetime"),
+        (uuid.UUID(int=7), "type UUID"),
+        ({1: "a"}, None),  # json would write the key as "1": accepted, as Python's json does
+    ],
+)
+def test_results_json_cannot_hold_are_refused_before_sending(
+    client: LeaseClient, namespace: str, value: Any, why: str | None
+) -> None:
+    """A result that JSON cannot hold raises TypeError, saying why, and nothing is sent:
+    not stored as null or as a string, as an encoder that converts would store it. A
+    big integer, which the service takes, is stored exactly."""
+    lease = client.acquire(namespace, KEY)
+    assert isinstance(lease, Lease)
+    if why is None:
+        assert client.complete(namespace, KEY, lease.owner_token, value).result == {"1": "a"}
+        return
+    with pytest.raises(TypeError, match=why):
+        client.complete(namespace, KEY, lease.owner_token, {"x": [value]})
+    done = client.complete(namespace, KEY, lease.owner_token, {"n": 2**100})  # still its owner
+    assert done.result == {"n": 2**100}
 
 
 def test_refusals_raise_the_classes_of_the_one_tree(client: LeaseClient, namespace: str) -> None:

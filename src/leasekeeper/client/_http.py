@@ -8,6 +8,7 @@ returned, anything else becomes an exception of the one tree through
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -49,11 +50,31 @@ def lease_body(**fields: Any) -> dict[str, Any]:
 
 
 def encode(body: dict[str, Any]) -> bytes:
-    """Compact UTF-8 JSON; raises ``TypeError`` for values JSON cannot hold."""
+    """Compact UTF-8 JSON; raises ``TypeError`` for values JSON cannot hold.
+
+    Python's ``json``, not orjson: orjson writes NaN and infinities as ``null`` and
+    dates, UUIDs and dataclasses as strings or objects, so a result would be stored
+    other than it was given, and it refuses integers past 64 bits, which the
+    service takes. Here NaN, the infinities, a lone surrogate and any value that is
+    not a JSON type are refused before anything is sent.
+    """
     try:
-        return orjson.dumps(body)
-    except orjson.JSONEncodeError as exc:
-        raise TypeError(f"The request body is not JSON-serializable: {exc}") from None
+        text = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        return text.encode("utf-8")
+    except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
+        raise TypeError(f"The request body is not JSON-serializable: {_why(exc)}") from None
+
+
+def _why(exc: Exception) -> str:
+    """What is wrong, without the value itself (which may be a secret)."""
+    if isinstance(exc, UnicodeEncodeError):
+        return "a string contains a lone surrogate"
+    message = str(exc)
+    if message.startswith("Object of type "):  # "Object of type X is not JSON serializable"
+        return f"a value of type {message.split()[3]}"
+    if isinstance(exc, TypeError):  # "keys must be str, int, float, bool or None, not X"
+        return "an object key that is not a string"
+    return "NaN and infinite numbers are not JSON"
 
 
 def _retry_after(response: httpx.Response) -> int | None:
