@@ -62,12 +62,14 @@ def test_fences_are_per_resource(sqlite_db: sqlite3.Connection) -> None:
 
 
 def test_check_outside_a_transaction_is_refused(tmp_path: Path) -> None:
-    """In autocommit mode the check cannot share the write's transaction: RuntimeError."""
+    """In autocommit mode the check cannot share the write's transaction: RuntimeError,
+    and nothing is recorded."""
     conn = sqlite3.connect(tmp_path / "auto.db", isolation_level=None)
     guard = FenceGuard(conn)
     guard.create_table()
     with pytest.raises(RuntimeError, match="transaction"):
         guard.check("r", 1)
+    assert guard.current("r") is None
     conn.execute("BEGIN")
     guard.check("r", 2)
     conn.execute("COMMIT")
@@ -148,7 +150,8 @@ def test_postgres_serializes_writers_and_refuses_the_older_one(pg_schema: tuple[
 
 @pytest.mark.postgres
 def test_postgres_autocommit_outside_a_transaction_is_refused(pg_schema: tuple[str, str]) -> None:
-    """psycopg in autocommit mode without conn.transaction() is refused with RuntimeError."""
+    """psycopg in autocommit mode without conn.transaction() is refused with RuntimeError,
+    and nothing is recorded."""
     import psycopg
 
     url, schema = pg_schema
@@ -157,6 +160,7 @@ def test_postgres_autocommit_outside_a_transaction_is_refused(pg_schema: tuple[s
         guard.create_table()
         with pytest.raises(RuntimeError, match="transaction"):
             guard.check("r", 1)
+        assert guard.current("r") is None  # refused before anything was recorded
         with conn.transaction():
             guard.check("r", 2)
         assert guard.current("r") == 2

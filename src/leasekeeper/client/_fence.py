@@ -94,10 +94,12 @@ class FenceGuard:
         """Record ``fencing_token`` for ``resource``, or raise ``StaleFence`` if a newer one exists.
 
         Call it inside the transaction of the write it guards, before the write.
-        Raises ``RuntimeError`` when the connection is not in a transaction after
-        the statement (sqlite3 with ``isolation_level=None`` and no ``BEGIN``,
-        psycopg in autocommit outside ``conn.transaction()``): the fence would be
-        recorded apart from the write, and the write unguarded.
+        Raises ``RuntimeError`` when the connection is not in a transaction
+        (sqlite3 with ``isolation_level=None`` and no ``BEGIN``, psycopg in
+        autocommit outside ``conn.transaction()``): the fence would be recorded
+        apart from the write, and the write unguarded. An autocommitting connection
+        is refused before the statement, so nothing is recorded; any other is
+        checked again after it, when the driver has begun its transaction.
         """
         if not isinstance(resource, str) or not resource:
             raise ValueError("resource must be a non-empty string")
@@ -107,12 +109,11 @@ class FenceGuard:
             or not 0 < fencing_token <= _MAX_FENCE
         ):
             raise ValueError("fencing_token must be a positive integer below 2**63")
+        if self._autocommits():
+            raise _outside_a_transaction()
         row = self.connection.execute(self.check_sql, (resource, fencing_token)).fetchone()
         if not self._in_transaction():
-            raise RuntimeError(
-                "FenceGuard.check ran outside a transaction: run it and the guarded write "
-                "in one transaction (sqlite3: `with conn:`; psycopg: `with conn.transaction():`)"
-            )
+            raise _outside_a_transaction()
         if row is None:
             current = self.current(resource)
             raise StaleFence(
@@ -126,6 +127,19 @@ class FenceGuard:
         row = self.connection.execute(self.current_sql, (resource,)).fetchone()
         return None if row is None else int(row[0])
 
+    def _autocommits(self) -> bool:
+        """Whether the next statement would commit on its own (no transaction begins)."""
+        connection = self.connection
+        if self._in_transaction():
+            return False
+        if isinstance(connection, sqlite3.Connection):
+            # Python 3.12's autocommit attribute, where set, rules; else isolation_level.
+            autocommit = getattr(connection, "autocommit", None)
+            if isinstance(autocommit, bool):
+                return autocommit
+            return connection.isolation_level is None
+        return bool(connection.autocommit)
+
     def _in_transaction(self) -> bool:
         connection = self.connection
         if isinstance(connection, sqlite3.Connection):
@@ -133,3 +147,10 @@ class FenceGuard:
         from psycopg import pq
 
         return connection.info.transaction_status == pq.TransactionStatus.INTRANS
+
+
+def _outside_a_transaction() -> RuntimeError:
+    return RuntimeError(
+        "FenceGuard.check ran outside a transaction: run it and the guarded write "
+        "in one transaction (sqlite3: `with conn:`; psycopg: `with conn.transaction():`)"
+    )
