@@ -50,6 +50,9 @@ def test_variables_are_read_and_flags_win() -> None:
         ("LEASEKEEPER_LIFECYCLE_SECONDS", "1.5"),
         ("LEASEKEEPER_LIFECYCLE_SECONDS", "0"),
         ("LEASEKEEPER_NAMESPACE_RATE", "-1"),
+        ("LEASEKEEPER_NAMESPACE_RATE", "nan"),  # passed every comparison: no limit at all
+        ("LEASEKEEPER_REQUEST_TIMEOUT_SECONDS", "inf"),
+        ("LEASEKEEPER_CLEANUP_INTERVAL_SECONDS", "-inf"),
         ("LEASEKEEPER_LOG_LEVEL", "LOUD"),
         ("LEASEKEEPER_POSTGRES_POOL_SIZE", "0"),
         ("LEASEKEEPER_POSTGRES_POOL_SIZE", "-3"),

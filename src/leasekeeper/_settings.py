@@ -33,6 +33,7 @@ LEASEKEEPER_LOG_LEVEL                  logging level                INFO
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -124,11 +125,16 @@ class Settings:
 
 def _cast(name: str, raw: str, cast: Callable[[str], T]) -> T:
     try:
-        return cast(raw.strip())
+        value = cast(raw.strip())
     except ValueError:
         kinds: dict[object, str] = {int: "a whole number", float: "a number", str: "text"}
         kind = kinds.get(cast, "a value")
         raise SettingsError(f"{name} must be {kind}") from None
+    # float() takes "nan" and "inf", which every comparison in validate() lets through
+    # (a mint rate of NaN was no limit at all).
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SettingsError(f"{name} must be a finite number")
+    return value
 
 
 _CASTS: dict[str, Callable[[str], Any]] = {
