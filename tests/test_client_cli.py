@@ -63,6 +63,22 @@ def test_namespace_prints_a_fresh_secret(cli: Cli) -> None:
     body = cli.json(cli("namespace"))
     assert body["ok"] is True
     assert body["namespace"].startswith("ns_")
+    assert body["entropy_bits"] == 256  # the service's body, as the README says
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["acquire", "--key", "k", "--wait", "nan"],
+        ["acquire", "--key", "k", "--timeout", "NaN"],
+        ["run", "--key", "k", "--grace", "nan", "--", "true"],
+    ],
+)
+def test_nan_seconds_are_a_usage_error(cli: Cli, args: list[str]) -> None:
+    """NaN, which passes every range check, is refused as bad usage (2), not a traceback."""
+    result = cli(*args)
+    assert result.exit_code == 2, result.output
+    assert "NaN is not a number of seconds" in result.output
 
 
 def test_acquire_renew_complete_with_exit_codes(cli: Cli, tmp_path: Path) -> None:

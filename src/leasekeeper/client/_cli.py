@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -152,10 +153,21 @@ def _fail(error: LeaseError, *, err: bool = False) -> NoReturn:
 # -- options ------------------------------------------------------------------------------------
 
 
+class _Seconds(click.FloatRange):
+    """A number of seconds at least ``min``: ``click.FloatRange``, which lets NaN through
+    (every comparison with it is false) to fail later with a traceback."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        seconds = super().convert(value, param, ctx)
+        if math.isnan(seconds):
+            self.fail("NaN is not a number of seconds.", param, ctx)
+        return seconds
+
+
 def _connection_options(function: F) -> F:
     function = click.option(
         "--timeout",
-        type=click.FloatRange(min=0.1),
+        type=_Seconds(min=0.1),
         default=DEFAULT_TIMEOUT,
         show_default=True,
         help="Seconds for one HTTP request.",
@@ -363,7 +375,7 @@ def namespace_command(**options: Any) -> None:
             namespace = client.create_namespace()
         except LeaseError as error:
             _fail(error)
-    _print_json({"ok": True, "namespace": namespace})
+    _print_json({"ok": True, "namespace": namespace, "entropy_bits": 256})  # the service's body
 
 
 @click.command("acquire")
@@ -373,7 +385,7 @@ def namespace_command(**options: Any) -> None:
 @click.option("--ttl", type=click.IntRange(1, 86_400), default=None, help="Lease seconds [60].")
 @click.option(
     "--wait",
-    type=click.FloatRange(min=0),
+    type=_Seconds(min=0),
     default=0.0,
     help="Seconds to wait while the key is held (inf: for ever) [0].",
 )
@@ -550,7 +562,7 @@ def _stored_status(result: Any) -> int:
 )
 @click.option(
     "--wait",
-    type=click.FloatRange(min=0),
+    type=_Seconds(min=0),
     default=0.0,
     help="Seconds to wait while the key is held (inf: for ever) [0].",
 )
@@ -562,7 +574,7 @@ def _stored_status(result: Any) -> int:
 )
 @click.option(
     "--grace",
-    type=click.FloatRange(min=0),
+    type=_Seconds(min=0),
     default=10.0,
     show_default=True,
     help="Seconds between SIGTERM and SIGKILL when the lease is lost.",
@@ -577,11 +589,12 @@ def run_command(command: tuple[str, ...], **options: Any) -> None:
     after --grace seconds, and run exits 11. With --complete the exit status is
     stored as {"exit_code": N}; a later run with the same key and fingerprint does
     not run the command, prints the stored result on stdout and exits with that
-    status. SIGINT, SIGTERM and SIGHUP are passed on to the command; a command
-    ended that way is not recorded.
+    status. SIGINT, SIGTERM and SIGHUP are passed on to the command, and then its
+    status is not recorded. Ctrl-Z stops the command with run.
 
     \b
-    leasekeeper run --key nightly-report --wait 600 --complete -- ./report.sh
+    leasekeeper run --namespace-file ns.json --key nightly-report --wait 600 \\
+        --complete -- ./report.sh
     """
     target = _target(options, with_fingerprint=True)
     progress = _Progress(options["progress"], options["wait"])
