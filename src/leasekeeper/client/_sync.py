@@ -228,7 +228,8 @@ class LeaseClient:
         """A lease for a ``with`` block: acquired on entry, renewed, released on exit.
 
         See ``HeldLease``. ``wait`` and ``on_wait`` are ``acquire``'s; ``on_lost``
-        is called once, from the renewal thread, if the lease is lost.
+        is called once if the lease is lost: from the renewal thread, or from the
+        thread whose ``check()`` found the local expiry first.
         """
         return HeldLease(
             self,
