@@ -515,9 +515,13 @@ class PostgresStore:
                 if inserts
                 else None
             )
-            await conn.execute("COMMIT")
+            # Marked before the COMMIT is handed over: in pipeline mode the call itself
+            # may send it (when the batch's statements fill libpq's output buffer) and
+            # then read a broken connection's error. A COMMIT that may have been sent
+            # is looked for (_landed), never decided again as if it had not been.
             attempt.committing, attempt.written = True, list(writes.values())
             attempt.resolve = functools.partial(_split, results, set(writes))
+            await conn.execute("COMMIT")
         # Leaving the pipeline sent the writes and COMMIT and waited for them.
         if inserted is not None and inserted.rowcount != len(inserts):
             created = {bytes(row[0]) for row in await inserted.fetchall()}
