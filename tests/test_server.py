@@ -354,6 +354,28 @@ def test_server_cleans_up_on_its_interval(tmp_path: Path) -> None:
         assert 'leasekeeper_cleanup_runs_total{result="ok"}' in metrics
 
 
+def test_the_first_cleanup_runs_within_the_first_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first pass runs at a random point of the first interval, not after a whole
+    one: a server restarted more often than hourly still cleans up. Here the point is
+    the start of an hour-long interval."""
+    from starlette.testclient import TestClient
+
+    from leasekeeper.http import _app
+
+    monkeypatch.setattr(_app, "_first_cleanup_fraction", lambda: 0.0)
+    db = tmp_path / "first.db"
+    _expired_records(db, 30)
+    service = LeaseService(SqliteStore(db))
+    app = create_app(service, Settings(cleanup_interval_seconds=3600))
+    with TestClient(app):
+        deadline = time.monotonic() + 10
+        while _count(db) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _count(db) == 0
+
+
 def test_requests_over_the_in_flight_cap_get_json_503(tmp_path: Path) -> None:
     """Past LEASEKEEPER_MAX_CONNECTIONS requests in flight, the rest get 503 unavailable."""
 

@@ -130,8 +130,13 @@ def create_app(
     ]
 
     async def cleanup_loop() -> None:
+        # The first pass at a random point of the first interval: instances started
+        # together spread out, and a server restarted more often than the interval
+        # (every deploy) still cleans up, where waiting a whole interval first never did.
+        pause = settings.cleanup_interval_seconds * _first_cleanup_fraction()
         while True:
-            await asyncio.sleep(settings.cleanup_interval_seconds)
+            await asyncio.sleep(pause)
+            pause = settings.cleanup_interval_seconds
             started = time.perf_counter()
             try:
                 deleted = await service.cleanup()
@@ -218,6 +223,11 @@ _ROUTE_NAMES = {
 
 class _ClientGone(Exception):
     """The client disconnected before its request body arrived."""
+
+
+def _first_cleanup_fraction() -> float:
+    """Where in its first interval the server's first cleanup runs (tests replace it)."""
+    return random.random()  # spreading timers: no secret
 
 
 async def _send_json(
