@@ -468,7 +468,16 @@ def app_with_mcp(clock: FakeClock) -> Iterator[TestClient]:
 def call_over_mcp(
     client: TestClient, era: str, name: str, arguments: dict[str, Any] | str
 ) -> CallToolResult:
-    """One stateless tools/call POST to /mcp, as a handshake-era or a 2026-07-28 client
+    """One stateless tools/call POST to /mcp (``post_tool_call``), answered 200."""
+    response = post_tool_call(client, era, name, arguments)
+    assert response.status_code == 200, response.text
+    return CallToolResult.model_validate(response.json()["result"])
+
+
+def post_tool_call(
+    client: TestClient, era: str, name: str, arguments: dict[str, Any] | str
+) -> httpx.Response:
+    """A stateless tools/call POST to /mcp, as a handshake-era or a 2026-07-28 client
     sends it (the SDK serves the two on different paths). ``arguments`` as a string is
     sent as raw JSON text, as no client's JSON encoder would write it."""
     raw = isinstance(arguments, str)
@@ -485,9 +494,7 @@ def call_over_mcp(
     if isinstance(arguments, str):
         text = text.replace('"RAW"', arguments)
     headers["content-type"] = "application/json"
-    response = client.post("/mcp", content=text.encode(), headers=headers)
-    assert response.status_code == 200, response.text
-    return CallToolResult.model_validate(response.json()["result"])
+    return client.post("/mcp", content=text.encode(), headers=headers)
 
 
 class CountingRandom:
@@ -558,6 +565,32 @@ def test_numbers_json_does_not_have_are_invalid_over_mcp(
     done = call_over_mcp(
         app_with_mcp, era, "complete_lease", {**lease, "owner_token": token, "result": 1}
     )
+    assert body(done)["status"] == "completed"
+
+
+@pytest.mark.parametrize("era", ERAS)
+def test_a_name_given_twice_is_refused_over_mcp(app_with_mcp: TestClient, era: str) -> None:
+    """A tools/call whose JSON repeats a name (in the arguments, or deeper in a result)
+    is refused before the SDK reads it, which would keep the last: the JSON-RPC answer
+    for JSON that cannot be parsed, HTTP 400. Nothing is acquired or completed."""
+    namespace = app_with_mcp.post("/services/v1/lease/namespace", json={}).json()["namespace"]
+    lease = {"namespace": namespace, "key": "job"}
+    token = body(call_over_mcp(app_with_mcp, era, "acquire_lease", lease))["owner_token"]
+    owned = json.dumps({**lease, "owner_token": token})[:-1]
+    for name, arguments in [
+        ("acquire_lease", f'{{"namespace": "{namespace}", "key": "a", "key": "b"}}'),
+        ("complete_lease", f'{owned}, "result": {{"paid": false, "paid": true}}}}'),
+    ]:
+        response = post_tool_call(app_with_mcp, era, name, arguments)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["code"] == -32700
+        assert "duplicate field name" in response.json()["error"]["message"]
+        assert response.headers["cache-control"] == "no-store"
+    for key in ("a", "b"):  # neither was acquired
+        acquired = call_over_mcp(app_with_mcp, era, "acquire_lease", {**lease, "key": key})
+        assert body(acquired)["status"] == "held" and not acquired.is_error
+    done = call_over_mcp(app_with_mcp, era, "complete_lease", {**lease, "owner_token": token,
+                                                                "result": 1})  # fmt: skip
     assert body(done)["status"] == "completed"
 
 

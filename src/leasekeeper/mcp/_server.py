@@ -57,11 +57,13 @@ from mcp.server.streamable_http_manager import (
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 from starlette.requests import HTTPConnection
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from leasekeeper._core.secrets import NAMESPACE_PREFIX, OWNER_PREFIX
-from leasekeeper._core.validation import MAX_RESULT_BYTES, check_tree
-from leasekeeper._errors import InternalError, LeaseError
+from leasekeeper._core.validation import MAX_RESULT_BYTES, check_tree, check_unique_names
+from leasekeeper._errors import InternalError, InvalidRequest, LeaseError
 from leasekeeper._limits import Limits
 from leasekeeper._schemas import DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
 from leasekeeper._service import LeaseService
@@ -514,10 +516,58 @@ def streamable_http_mount(
     # POST only. A stateless server never sends anything unprompted, so a GET
     # stream would only hold a connection open; the transport spec lets a server
     # answer GET (and DELETE, with no session to end) with 405.
+    app = _UniqueNames(StreamableHTTPASGIApp(manager), settings.max_body_bytes)
     return StreamableHttpMount(
-        routes=[Route(path, StreamableHTTPASGIApp(manager), methods=["POST"])],
+        routes=[Route(path, app, methods=["POST"])],
         lifespan_hooks=[manager.run],
     )
+
+
+class _UniqueNames:
+    """Refuses a POST whose JSON repeats a name in an object, before the SDK reads it.
+
+    The SDK's JSON-RPC parser keeps the last of a repeated name, where an HTTP body
+    with one is ``invalid``, and a gateway in front of ``/mcp`` may read the first:
+    the two would act on different arguments. Such a body gets the JSON-RPC answer
+    for JSON that cannot be parsed (HTTP 400, code -32700), as malformed JSON gets
+    from the SDK. A body past ``max_body`` bytes is passed on unread: the SDK
+    refuses it with 413.
+    """
+
+    def __init__(self, app: ASGIApp, max_body: int) -> None:
+        self.app = app
+        self.max_body = max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        received: list[Message] = []
+        body = b""
+        while True:
+            message = await receive()
+            received.append(message)
+            if message["type"] != "http.request":
+                break
+            body += message.get("body", b"")
+            if len(body) > self.max_body:
+                break
+            if not message.get("more_body", False):
+                try:
+                    check_unique_names(body)
+                except InvalidRequest as error:
+                    await _parse_error(error.error)(scope, receive, send)
+                    return
+                break
+        replay = iter(received)
+
+        async def replayed() -> Message:
+            return next(replay, None) or await receive()
+
+        await self.app(scope, replayed, send)
+
+
+def _parse_error(message: str) -> Response:
+    error = {"code": types.PARSE_ERROR, "message": f"Parse error: {message}"}
+    body = orjson.dumps({"jsonrpc": "2.0", "id": None, "error": error})
+    return Response(body, status_code=400, media_type="application/json")
 
 
 async def serve_stdio(service: LeaseService, *, cleanup_interval_seconds: float | None) -> None:
