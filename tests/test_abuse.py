@@ -287,11 +287,16 @@ def test_trickled_headers_do_not_extend_the_deadline(server: Server) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sent", [b"", b'{"key": "'])
-def test_a_body_that_does_not_arrive_is_cut_off(server: Server, sent: bytes) -> None:
-    """Content-Length promises 100 bytes and fewer come: 408 after the timeout, then closed."""
+@pytest.mark.parametrize("path", ["/services/v1/lease", "/mcp"])
+def test_a_body_that_does_not_arrive_is_cut_off(server: Server, sent: bytes, path: str) -> None:
+    """Content-Length promises 100 bytes and fewer come: 408 after the timeout, then
+    closed; on /mcp too, where the SDK would wait for a body for ever."""
     sock = connect(server)
-    head = b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
-    sock.sendall(head + sent)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        "Accept: application/json, text/event-stream\r\nContent-Length: 100\r\n\r\n"
+    )
+    sock.sendall(head.encode() + sent)
     status, headers, body, took = answer(sock)
     assert (status, body["status"]) == (408, "timeout") and headers["connection"] == "close"
     assert took <= TIMEOUT + 2

@@ -594,11 +594,31 @@ def test_a_name_given_twice_is_refused_over_mcp(app_with_mcp: TestClient, era: s
     assert body(done)["status"] == "completed"
 
 
+def test_a_message_that_is_not_json_rpc_is_refused_without_quoting_it(
+    app_with_mcp: TestClient,
+) -> None:
+    """A tools/call without "jsonrpc" is refused by the SDK, whose message quoted the
+    input (pydantic's error text): here it names no value, owner token included."""
+    namespace = app_with_mcp.post("/services/v1/lease/namespace", json={}).json()["namespace"]
+    token = "own_" + "Q" * 42 + "A"
+    arguments = {"namespace": namespace, "key": "invoice:2026-09-05", "owner_token": token}
+    message = {"id": 1, "method": "tools/call",
+               "params": {"name": "release_lease", "arguments": arguments}}  # fmt: skip
+    response = app_with_mcp.post("/mcp", json=message, headers=_MCP_HEADERS)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith("Validation error")
+    for secret in (namespace, token, token[-20:], "invoice:2026-09-05", namespace[-12:]):
+        assert secret not in response.text
+    assert int(response.headers["content-length"]) == len(response.content)
+
+
 def test_mcp_route_limits_bodies_and_hosts(app_with_mcp: TestClient) -> None:
     """/mcp refuses bodies over the API's 64 KiB limit, and foreign Host headers on loopback."""
     big = {**_INITIALIZE, "params": {**_INITIALIZE["params"], "pad": "x" * 70_000}}
     too_large = app_with_mcp.post("/mcp", json=big, headers=_MCP_HEADERS)
     assert too_large.status_code == 413
+    assert too_large.json()["status"] == "too_large"  # the API's body, not plain text
+    assert too_large.headers["connection"] == "close"
     rebinding = app_with_mcp.post(
         "/mcp", json=_INITIALIZE, headers={**_MCP_HEADERS, "host": "evil.example"}
     )

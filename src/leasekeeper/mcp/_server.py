@@ -38,6 +38,7 @@ tokens, fingerprints and results.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.metadata
 import logging
@@ -63,11 +64,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from leasekeeper._core.secrets import NAMESPACE_PREFIX, OWNER_PREFIX
 from leasekeeper._core.validation import MAX_RESULT_BYTES, check_tree, check_unique_names
-from leasekeeper._errors import InternalError, InvalidRequest, LeaseError
+from leasekeeper._errors import (
+    InternalError,
+    InvalidRequest,
+    LeaseError,
+    PayloadTooLarge,
+    RequestTimeout,
+)
 from leasekeeper._limits import Limits
 from leasekeeper._schemas import DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
 from leasekeeper._service import LeaseService
 from leasekeeper._settings import Settings
+from leasekeeper.http._errors import error_response
 
 __all__ = [
     "INSTRUCTIONS",
@@ -516,58 +524,124 @@ def streamable_http_mount(
     # POST only. A stateless server never sends anything unprompted, so a GET
     # stream would only hold a connection open; the transport spec lets a server
     # answer GET (and DELETE, with no session to end) with 405.
-    app = _UniqueNames(StreamableHTTPASGIApp(manager), settings.max_body_bytes)
+    app = _Gate(
+        StreamableHTTPASGIApp(manager), settings.max_body_bytes, settings.request_timeout_seconds
+    )
     return StreamableHttpMount(
         routes=[Route(path, app, methods=["POST"])],
         lifespan_hooks=[manager.run],
     )
 
 
-class _UniqueNames:
-    """Refuses a POST whose JSON repeats a name in an object, before the SDK reads it.
+class _Gate:
+    """What ``/mcp`` puts in front of the SDK's app: the body read as the API reads one.
 
-    The SDK's JSON-RPC parser keeps the last of a repeated name, where an HTTP body
-    with one is ``invalid``, and a gateway in front of ``/mcp`` may read the first:
-    the two would act on different arguments. Such a body gets the JSON-RPC answer
-    for JSON that cannot be parsed (HTTP 400, code -32700), as malformed JSON gets
-    from the SDK. A body past ``max_body`` bytes is passed on unread: the SDK
-    refuses it with 413.
+    - The whole body must arrive within ``body_timeout`` seconds, or the answer is
+      the API's 408 ``timeout`` and the connection is closed: the SDK waits for a
+      body as long as the client likes, so a few clients promising bodies they do
+      not send would hold every connection slot.
+    - A body over ``max_body`` bytes gets the API's 413 ``too_large`` (the
+      connection is closed: the rest is not read).
+    - JSON that repeats a name in an object is refused before the SDK reads it,
+      which would keep the last of the two while a gateway in front of ``/mcp``
+      may read the first: the JSON-RPC answer for JSON that cannot be parsed
+      (HTTP 400, code -32700), as malformed JSON gets from the SDK.
+    - The SDK's answer to a message that is not valid JSON-RPC quotes pydantic's
+      error, which quotes the input (namespaces, owner tokens): that message is
+      replaced by one that names no value.
     """
 
-    def __init__(self, app: ASGIApp, max_body: int) -> None:
+    def __init__(self, app: ASGIApp, max_body: int, body_timeout: float) -> None:
         self.app = app
         self.max_body = max_body
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                received, body = await self._read(receive)
+        except TimeoutError:
+            late = RequestTimeout(
+                f"The request body was not received within {self.body_timeout:g} seconds"
+            )
+            await _closing(late)(scope, receive, send)
+            return
+        if body is None:
+            if received[-1]["type"] == "http.request":  # else the client is gone
+                too_large = PayloadTooLarge(f"Request body is larger than {self.max_body} bytes")
+                await _closing(too_large)(scope, receive, send)
+            return
+        try:
+            check_unique_names(body)
+        except InvalidRequest as error:
+            await _parse_error(error.error)(scope, receive, send)
+            return
+        replay = iter(received)
+
+        async def replayed() -> Message:
+            return next(replay, None) or await receive()
+
+        await self.app(scope, replayed, _quoting_nothing(send))
+
+    async def _read(self, receive: Receive) -> tuple[list[Message], bytes | None]:
+        """The messages received, and the body (None: too large, or the client left)."""
         received: list[Message] = []
         body = b""
         while True:
             message = await receive()
             received.append(message)
             if message["type"] != "http.request":
-                break
+                return received, None
             body += message.get("body", b"")
             if len(body) > self.max_body:
-                break
+                return received, None
             if not message.get("more_body", False):
-                try:
-                    check_unique_names(body)
-                except InvalidRequest as error:
-                    await _parse_error(error.error)(scope, receive, send)
-                    return
-                break
-        replay = iter(received)
+                return received, body
 
-        async def replayed() -> Message:
-            return next(replay, None) or await receive()
 
-        await self.app(scope, replayed, send)
+def _closing(error: LeaseError) -> Response:
+    response = error_response(error)
+    response.headers["connection"] = "close"
+    return response
 
 
 def _parse_error(message: str) -> Response:
     error = {"code": types.PARSE_ERROR, "message": f"Parse error: {message}"}
     body = orjson.dumps({"jsonrpc": "2.0", "id": None, "error": error})
     return Response(body, status_code=400, media_type="application/json")
+
+
+_NOT_JSON_RPC = "Validation error: the message is not a valid JSON-RPC request"
+
+
+def _quoting_nothing(send: Send) -> Send:
+    """``send``, with the SDK's "Validation error: ..." answers (which quote the
+    message) reduced to ``_NOT_JSON_RPC``. Those are one-piece JSON bodies."""
+    held: Message | None = None
+
+    async def sending(message: Message) -> None:
+        nonlocal held
+        if message["type"] == "http.response.start" and message["status"] == 400:
+            held = message  # until its body shows what it says
+            return
+        if held is not None and message["type"] == "http.response.body":
+            start, held = held, None
+            body = message.get("body", b"")
+            with contextlib.suppress(ValueError):
+                parsed = orjson.loads(body)
+                error = parsed.get("error") if isinstance(parsed, dict) else None
+                if isinstance(error, dict) and str(error.get("message")).startswith(
+                    "Validation error"
+                ):
+                    body = orjson.dumps({**parsed, "error": {**error, "message": _NOT_JSON_RPC}})
+                    headers = [(k, v) for k, v in start["headers"] if k != b"content-length"]
+                    headers.append((b"content-length", str(len(body)).encode("ascii")))
+                    start = {**start, "headers": headers}
+                    message = {**message, "body": body}
+            await send(start)
+        await send(message)
+
+    return sending
 
 
 async def serve_stdio(service: LeaseService, *, cleanup_interval_seconds: float | None) -> None:
