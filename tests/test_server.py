@@ -404,7 +404,8 @@ def test_requests_over_the_in_flight_cap_get_json_503(tmp_path: Path) -> None:
 
 def test_connections_over_the_cap_get_json_503(tmp_path: Path) -> None:
     """LEASEKEEPER_MAX_CONNECTIONS connections are served, one more is not; uvicorn's own
-    connection-limit answer is JSON too (its plain-text default is replaced)."""
+    connection-limit answer is JSON too (its plain-text default is replaced), with every
+    response's headers."""
     import socket
 
     env = {"LEASEKEEPER_MAX_CONNECTIONS": "2"}
@@ -424,6 +425,11 @@ def test_connections_over_the_cap_get_json_503(tmp_path: Path) -> None:
         assert served.status_code == 200  # the second of two
         assert refused.status_code == 503  # the third
         assert refused.json()["status"] == "unavailable"
+        # The headers of every response, though uvicorn answers it without the app.
+        assert refused.headers["cache-control"] == "no-store"
+        assert refused.headers["x-content-type-options"] == "nosniff"
+        assert len(refused.headers["x-request-id"]) == 16
+        assert refused.headers["retry-after"] == "1"
 
 
 def test_sqlite_writer_survives_a_failing_batch(tmp_path: Path) -> None:

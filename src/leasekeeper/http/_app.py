@@ -548,12 +548,14 @@ class LeaseApp:
 
 
 def json_unavailable_app() -> ASGIApp:
-    """An ASGI app answering 503 ``unavailable`` in JSON (used for uvicorn's connection cap)."""
-    response = error_response(
+    """An ASGI app answering 503 ``unavailable`` in JSON (used for uvicorn's connection cap),
+    with the headers ``LeaseApp`` gives every response: uvicorn calls it instead."""
+    status, body, extra = error_parts(
         ServiceUnavailable("The server is at its connection limit; retry shortly")
     )
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await response(scope, receive, send)
+        request_id = f"{random.getrandbits(64):016x}".encode("ascii")
+        await _send_json(send, status, body, extra, request_id)
 
     return app
