@@ -286,6 +286,24 @@ def test_trickled_headers_do_not_extend_the_deadline(server: Server) -> None:
 
 
 @pytest.mark.slow
+def test_endless_headers_are_cut_off_at_64_kib(server: Server) -> None:
+    """Header lines sent on and on (the parser keeps no bound, and uvicorn kept every
+    header) get a JSON 431 too_large once the head passes 64 KiB, and the connection
+    is closed; a head just under the bound is served."""
+    sock = connect(server)
+    line = b"X-Pad: " + b"a" * 1017 + b"\r\n"  # 1 KiB
+    with contextlib.suppress(OSError):  # the server may close while we send
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + line * 200)
+    status, headers, body, _ = answer(sock)
+    assert (status, body["status"]) == (431, "too_large")
+    assert headers["connection"] == "close" and headers["cache-control"] == "no-store"
+    sock = connect(server)
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + line * 60 + b"\r\n")
+    status, _, body, _ = answer(sock)
+    assert status == 200 and body["ok"] is True
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sent", [b"", b'{"key": "'])
 @pytest.mark.parametrize("path", ["/services/v1/lease", "/mcp"])
 def test_a_body_that_does_not_arrive_is_cut_off(server: Server, sent: bytes, path: str) -> None:

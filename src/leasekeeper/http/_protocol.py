@@ -14,7 +14,8 @@ uvicorn's HTTP protocol (the ``http=`` class uvicorn accepts) so that::
 
 headers not complete in time get a JSON ``408 timeout`` and the connection is
 closed. A request whose headers arrive in one packet (every normal client) never
-starts a timer. Malformed HTTP gets a JSON ``400 invalid`` instead of uvicorn's
+starts a timer. A head that has not ended within ``MAX_HEAD_BYTES`` gets a JSON
+``431`` (status ``too_large``) and the connection is closed. Malformed HTTP gets a JSON ``400 invalid`` instead of uvicorn's
 plain text, so every answer is a JSON object.
 
 On httptools, an offer to upgrade the connection that is not taken (``Upgrade:
@@ -32,18 +33,24 @@ from typing import Any
 import httptools
 import orjson
 
-from leasekeeper._errors import InvalidRequest, LeaseError, RequestTimeout
+from leasekeeper._errors import InvalidRequest, LeaseError, PayloadTooLarge, RequestTimeout
 from leasekeeper.http._errors import status_code
 
-__all__ = ["guard_protocol", "raw_error_response"]
+__all__ = ["MAX_HEAD_BYTES", "guard_protocol", "raw_error_response"]
 
-_REASONS = {400: b"Bad Request", 408: b"Request Timeout"}
+_REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+#: Bytes of a request's head (request line and headers) past which, while the head
+#: has not ended, the request is refused: llhttp keeps no bound of its own, and
+#: uvicorn kept every header, so one connection sending endless headers grew the
+#: server by hundreds of MB.
+MAX_HEAD_BYTES = 65_536
 
 
-def raw_error_response(error: LeaseError) -> bytes:
-    """A whole HTTP/1.1 response for ``error`` that closes the connection."""
+def raw_error_response(error: LeaseError, code: int | None = None) -> bytes:
+    """A whole HTTP/1.1 response for ``error`` (with status ``code``, by default the
+    error's own) that closes the connection."""
     body = orjson.dumps(error.body())
-    code = status_code(error)
+    code = code or status_code(error)
     return b"".join(
         [
             b"HTTP/1.1 %d %s\r\n" % (code, _REASONS.get(code, b"Error")),
@@ -61,6 +68,9 @@ _TIMED_OUT = raw_error_response(
     RequestTimeout("The request headers were not received in time; the connection is closed")
 )
 _MALFORMED = raw_error_response(InvalidRequest("The request is not valid HTTP/1.1"))
+_HEAD_TOO_LARGE = raw_error_response(
+    PayloadTooLarge(f"The request headers are larger than {MAX_HEAD_BYTES} bytes"), 431
+)
 
 
 class _SlowClientGuard:
@@ -73,6 +83,8 @@ class _SlowClientGuard:
     transport: asyncio.Transport
     cycle: Any
     _lk_timer: asyncio.TimerHandle | None = None
+    #: Bytes received since the last request began, while its successor's head had not ended.
+    _lk_head_bytes = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
@@ -83,8 +95,15 @@ class _SlowClientGuard:
         super().data_received(data)  # type: ignore[misc]
         if self.cycle is not before:  # headers complete: a request began
             self._lk_disarm()
-        elif waiting and self._lk_timer is None and not self.transport.is_closing():
-            self._lk_arm()  # the first bytes of a request: its headers are on the clock
+            self._lk_head_bytes = 0
+        elif waiting and not self.transport.is_closing():
+            self._lk_head_bytes += len(data)
+            if self._lk_head_bytes > MAX_HEAD_BYTES:
+                self._lk_disarm()
+                self.transport.write(_HEAD_TOO_LARGE)
+                self.transport.close()
+            elif self._lk_timer is None:
+                self._lk_arm()  # the first bytes of a request: its headers are on the clock
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lk_disarm()
