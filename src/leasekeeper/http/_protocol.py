@@ -15,8 +15,9 @@ uvicorn's HTTP protocol (the ``http=`` class uvicorn accepts) so that::
 headers not complete in time get a JSON ``408 timeout`` and the connection is
 closed. A request whose headers arrive in one packet (every normal client) never
 starts a timer. A head that has not ended within ``MAX_HEAD_BYTES`` gets a JSON
-``431`` (status ``too_large``) and the connection is closed. Malformed HTTP gets a JSON ``400 invalid`` instead of uvicorn's
-plain text, so every answer is a JSON object.
+``431`` (status ``too_large``) and the connection is closed. Malformed HTTP gets a
+JSON ``400 invalid`` instead of uvicorn's plain text, so every answer is a JSON
+object.
 
 On httptools, an offer to upgrade the connection that is not taken (``Upgrade:
 h2c``, which ``curl --http2``, Java's HttpClient and Ktor send on plain HTTP) is
