@@ -613,7 +613,8 @@ def test_a_message_that_is_not_json_rpc_is_refused_without_quoting_it(
 
 
 def test_mcp_route_limits_bodies_and_hosts(app_with_mcp: TestClient) -> None:
-    """/mcp refuses bodies over the API's 64 KiB limit, and foreign Host headers on loopback."""
+    """/mcp refuses bodies over the API's 64 KiB limit, foreign Host headers on loopback
+    and bodies without a JSON Content-Type, each with a JSON body."""
     big = {**_INITIALIZE, "params": {**_INITIALIZE["params"], "pad": "x" * 70_000}}
     too_large = app_with_mcp.post("/mcp", json=big, headers=_MCP_HEADERS)
     assert too_large.status_code == 413
@@ -623,6 +624,14 @@ def test_mcp_route_limits_bodies_and_hosts(app_with_mcp: TestClient) -> None:
         "/mcp", json=_INITIALIZE, headers={**_MCP_HEADERS, "host": "evil.example"}
     )
     assert rebinding.status_code == 421
+    # The SDK's plain-text refusals come as the API's JSON, with the SDK's sentence.
+    assert rebinding.json() == {"ok": False, "status": "invalid", "error": "Invalid Host header"}
+    untyped = app_with_mcp.post(
+        "/mcp", content=json.dumps(_INITIALIZE), headers={**_MCP_HEADERS, "content-type": ""}
+    )
+    assert untyped.status_code == 400
+    assert untyped.json()["status"] == "invalid" and "Content-Type" in untyped.json()["error"]
+    assert untyped.headers["content-type"] == "application/json"
 
 
 @pytest.mark.parametrize("era", ERAS)

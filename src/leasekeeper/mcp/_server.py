@@ -581,7 +581,7 @@ class _Gate:
         async def replayed() -> Message:
             return next(replay, None) or await receive()
 
-        await self.app(scope, replayed, _quoting_nothing(send))
+        await self.app(scope, replayed, _sdk_errors_as_json(send))
 
     async def _read(self, receive: Receive) -> tuple[list[Message], bytes | None]:
         """The messages received, and the body (None: too large, or the client left)."""
@@ -614,34 +614,48 @@ def _parse_error(message: str) -> Response:
 _NOT_JSON_RPC = "Validation error: the message is not a valid JSON-RPC request"
 
 
-def _quoting_nothing(send: Send) -> Send:
-    """``send``, with the SDK's "Validation error: ..." answers (which quote the
-    message) reduced to ``_NOT_JSON_RPC``. Those are one-piece JSON bodies."""
+def _sdk_errors_as_json(send: Send) -> Send:
+    """``send``, with the SDK's error answers made safe and JSON: a "Validation
+    error: ..." (which quotes the message) says ``_NOT_JSON_RPC`` instead, and a
+    plain-text one (a foreign Host or Origin, a missing Content-Type) becomes the
+    API's ``invalid`` body with the same status and sentence. Each is one piece."""
     held: Message | None = None
 
     async def sending(message: Message) -> None:
         nonlocal held
-        if message["type"] == "http.response.start" and message["status"] == 400:
+        if message["type"] == "http.response.start" and message["status"] >= 400:
             held = message  # until its body shows what it says
             return
         if held is not None and message["type"] == "http.response.body":
             start, held = held, None
-            body = message.get("body", b"")
-            with contextlib.suppress(ValueError):
-                parsed = orjson.loads(body)
-                error = parsed.get("error") if isinstance(parsed, dict) else None
-                if isinstance(error, dict) and str(error.get("message")).startswith(
-                    "Validation error"
-                ):
-                    body = orjson.dumps({**parsed, "error": {**error, "message": _NOT_JSON_RPC}})
-                    headers = [(k, v) for k, v in start["headers"] if k != b"content-length"]
-                    headers.append((b"content-length", str(len(body)).encode("ascii")))
-                    start = {**start, "headers": headers}
-                    message = {**message, "body": body}
+            body = _safe_error_body(message.get("body", b""))
+            if body is not None:
+                headers = [
+                    (name, value)
+                    for name, value in start["headers"]
+                    if name not in (b"content-length", b"content-type")
+                ]
+                headers.append((b"content-type", b"application/json"))
+                headers.append((b"content-length", str(len(body)).encode("ascii")))
+                start = {**start, "headers": headers}
+                message = {**message, "body": body}
             await send(start)
         await send(message)
 
     return sending
+
+
+def _safe_error_body(body: bytes) -> bytes | None:
+    """What an SDK error body becomes (None: it stays as it is)."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:  # the SDK's plain text: fixed sentences, no input
+        sentence = body.decode("utf-8", "replace").strip()[:200] or "The request was refused"
+        return orjson.dumps({"ok": False, "status": "invalid", "error": sentence})
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    if isinstance(error, dict) and str(error.get("message")).startswith("Validation error"):
+        return orjson.dumps({**parsed, "error": {**error, "message": _NOT_JSON_RPC}})
+    return None
 
 
 async def serve_stdio(service: LeaseService, *, cleanup_interval_seconds: float | None) -> None:
