@@ -213,11 +213,15 @@ def test_no_answer_is_service_unreachable(api: Any, fake_time: FakeTime) -> None
 
 
 def test_injected_httpx_client_and_url_with_base_path(api: Any) -> None:
-    """An injected httpx.Client is used as given, and a URL may include /services/v1."""
+    """An injected httpx.Client is used as given, and a URL may include /services/v1, the
+    client's own base URL too."""
     with httpx.Client(base_url=BASE_URL, transport=bridge(api)) as http:
         assert LeaseClient(client=http).create_namespace().startswith("ns_")
         with_path = LeaseClient(f"{BASE_URL}/services/v1/", client=http)
         assert with_path.create_namespace().startswith("ns_")
+    # The injected client's own base URL may end at the API root already.
+    with httpx.Client(base_url=f"{BASE_URL}/services/v1/", transport=bridge(api)) as http:
+        assert LeaseClient(client=http).create_namespace().startswith("ns_")
     with pytest.raises(TypeError):
         LeaseClient(client=http, transport=bridge(api))
 

@@ -17,7 +17,6 @@ import httpx
 
 from leasekeeper._errors import LeaseError, LeaseHeld, LeaseLost
 from leasekeeper.client._http import (
-    BASE_PATH,
     DEFAULT_TIMEOUT,
     DEFAULT_URL,
     HEADERS,
@@ -25,6 +24,7 @@ from leasekeeper.client._http import (
     encode,
     lease_body,
     read_response,
+    route_prefix,
     unreachable,
 )
 from leasekeeper.client._renewer import AsyncRenewalWorker, AsyncSignal, AsyncWaiter, TaskFactory
@@ -82,7 +82,7 @@ class AsyncLeaseClient:
             self._owns_http = True
         else:
             self._http = client
-            self._prefix = api_root(base_url) if base_url else BASE_PATH
+            self._prefix = route_prefix(base_url, client)
             self._owns_http = False
         self.timeout = timeout
         self._monotonic = monotonic

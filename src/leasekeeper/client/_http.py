@@ -25,6 +25,7 @@ __all__ = [
     "encode",
     "lease_body",
     "read_response",
+    "route_prefix",
     "unreachable",
 ]
 
@@ -42,6 +43,16 @@ def api_root(base_url: str) -> str:
     """The API root for a server URL given with or without ``/services/v1``."""
     url = base_url.rstrip("/")
     return url if url.endswith(BASE_PATH) else url + BASE_PATH
+
+
+def route_prefix(base_url: str | None, client: Any) -> str:
+    """What goes before a route on an injected ``client``: ``base_url``'s API root when
+    given, else nothing when the client's own base URL ends at the API root already
+    (``.../services/v1``), else ``/services/v1``."""
+    if base_url:
+        return api_root(base_url)
+    own = str(getattr(client, "base_url", "")).rstrip("/")
+    return "" if own.endswith(BASE_PATH) else BASE_PATH
 
 
 def lease_body(**fields: Any) -> dict[str, Any]:
