@@ -14,6 +14,14 @@ import pytest
 from click.testing import CliRunner, Result
 
 from leasekeeper import FakeClock, LeaseClient
+from leasekeeper._errors import (
+    InvalidRequest,
+    LeaseError,
+    PayloadTooLarge,
+    RateLimited,
+    RequestTimeout,
+    ServiceUnavailable,
+)
 from leasekeeper.cli import main
 from leasekeeper.client._cli import (
     EXIT_COMPLETED,
@@ -23,6 +31,7 @@ from leasekeeper.client._cli import (
     EXIT_LOST,
     EXIT_UNAVAILABLE,
     CliEnvironment,
+    exit_code,
 )
 from tests.client_fakes import BASE_URL, bridge
 
@@ -138,6 +147,21 @@ def test_invalid_and_unreachable_have_their_codes(cli: Cli) -> None:
     down = cli("acquire", "--key", "k")
     assert down.exit_code == EXIT_UNAVAILABLE
     assert cli.json(down)["status"] == "unreachable"
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (RequestTimeout(), EXIT_UNAVAILABLE),  # slow to arrive: sent again, it may not be
+        (RateLimited(), EXIT_UNAVAILABLE),
+        (ServiceUnavailable(), EXIT_UNAVAILABLE),
+        (InvalidRequest(), EXIT_INVALID),
+        (PayloadTooLarge(), EXIT_INVALID),
+    ],
+)
+def test_retryable_refusals_exit_14_and_bad_requests_13(error: LeaseError, code: int) -> None:
+    """What a retry may cure exits 14 (retry later); what it cannot, 13."""
+    assert exit_code(error) == code
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,8 @@ code  meaning      when
 11    lost         you are not (or no longer) the owner; ``run``: the child was stopped
 12    conflict     the key is bound to another fingerprint
 13    invalid      the service refused the request as invalid or too large
-14    unavailable  the service is unreachable, unavailable or rate limiting: retry
+14    unavailable  the service is unreachable, unavailable or rate limiting, or the
+                   request timed out (408): retry
 15    completed    ``acquire``: the key's work is already done; the JSON has the result
 127   not started  ``run``: the command could not be started
 ====  ===========  ===============================================================
@@ -56,6 +57,7 @@ from leasekeeper._errors import (
     LeaseLost,
     RateLimited,
     RequestError,
+    RequestTimeout,
     ServiceUnavailable,
 )
 from leasekeeper.client._http import DEFAULT_TIMEOUT, DEFAULT_URL
@@ -97,8 +99,8 @@ def exit_code(error: LeaseError) -> int:
         return EXIT_LOST
     if isinstance(error, FingerprintConflict):
         return EXIT_CONFLICT
-    if isinstance(error, RateLimited | ServiceUnavailable):
-        return EXIT_UNAVAILABLE
+    if isinstance(error, RateLimited | ServiceUnavailable | RequestTimeout):
+        return EXIT_UNAVAILABLE  # 408: the request was slow to arrive; sent again, it may not be
     if isinstance(error, RequestError):
         return EXIT_INVALID
     return EXIT_ERROR
