@@ -116,6 +116,10 @@ def test_complete_then_acquire_returns_the_stored_result(
     assert again.fencing_token == lease.fencing_token
 
 
+_CYCLE: list[Any] = []
+_CYCLE.append(_CYCLE)  # a list that contains itself
+
+
 @pytest.mark.parametrize(
     ("value", "why"),
     [
@@ -123,6 +127,7 @@ def test_complete_then_acquire_returns_the_stored_result(
         (-math.inf, "infinite"),
         (datetime(2026, 9, 5, tzinfo=UTC), "type datetime"),
         (uuid.UUID(int=7), "type UUID"),
+        (_CYCLE, "contains itself"),
         ({1: "a"}, None),  # json would write the key as "1": accepted, as Python's json does
     ],
 )

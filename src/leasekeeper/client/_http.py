@@ -85,6 +85,8 @@ def _why(exc: Exception) -> str:
         return f"a value of type {message.split()[3]}"
     if isinstance(exc, TypeError):  # "keys must be str, int, float, bool or None, not X"
         return "an object key that is not a string"
+    if message.startswith("Circular reference"):
+        return "a value that contains itself"
     return "NaN and infinite numbers are not JSON"
 
 
