@@ -303,6 +303,13 @@ def test_endless_headers_are_cut_off_at_64_kib(server: Server) -> None:
     assert status == 200 and body["ok"] is True
 
 
+def _slow_bodies(server: Server) -> float:
+    """The server's leasekeeper_slow_clients_total{stage="body"} (0 before the first)."""
+    metrics = httpx.get(f"{server.url}/metrics").text
+    prefix = 'leasekeeper_slow_clients_total{stage="body"} '
+    return next((float(m.split()[-1]) for m in metrics.splitlines() if m.startswith(prefix)), 0.0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sent", [b"", b'{"key": "'])
 @pytest.mark.parametrize("path", ["/services/v1/lease", "/mcp"])
@@ -314,10 +321,12 @@ def test_a_body_that_does_not_arrive_is_cut_off(server: Server, sent: bytes, pat
         f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         "Accept: application/json, text/event-stream\r\nContent-Length: 100\r\n\r\n"
     )
+    slow_bodies = _slow_bodies(server)
     sock.sendall(head.encode() + sent)
     status, headers, body, took = answer(sock)
     assert (status, body["status"]) == (408, "timeout") and headers["connection"] == "close"
     assert took <= TIMEOUT + 2
+    assert _slow_bodies(server) == slow_bodies + 1  # counted, on /mcp as on the API
 
 
 @pytest.mark.slow

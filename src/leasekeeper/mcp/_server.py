@@ -72,6 +72,7 @@ from leasekeeper._errors import (
     RequestTimeout,
 )
 from leasekeeper._limits import Limits
+from leasekeeper._metrics import Metrics
 from leasekeeper._schemas import DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
 from leasekeeper._service import LeaseService
 from leasekeeper._settings import Settings
@@ -561,6 +562,7 @@ class _Gate:
             async with asyncio.timeout(self.body_timeout):
                 received, body = await self._read(receive)
         except TimeoutError:
+            _count_slow_body(scope)
             late = RequestTimeout(
                 f"The request body was not received within {self.body_timeout:g} seconds"
             )
@@ -597,6 +599,15 @@ class _Gate:
                 return received, None
             if not message.get("more_body", False):
                 return received, body
+
+
+def _count_slow_body(scope: Scope) -> None:
+    """Count a body cut off at its deadline in ``leasekeeper_slow_clients_total{stage="body"}``,
+    as the API routes do: the metrics are the application's (``create_app`` keeps them in
+    ``app.state``, and Starlette puts itself in the scope); a mount outside one counts nothing."""
+    metrics = getattr(getattr(scope.get("app"), "state", None), "metrics", None)
+    if isinstance(metrics, Metrics):
+        metrics.slow_clients.labels("body").inc()
 
 
 def _closing(error: LeaseError) -> Response:
