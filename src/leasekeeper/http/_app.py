@@ -47,7 +47,15 @@ from leasekeeper.http._errors import (
 )
 from leasekeeper.http._openapi import DOCS_HTML, openapi_document
 
-__all__ = ["BASE_PATH", "LeaseApp", "LeaseEndpoint", "create_app", "json_unavailable_app"]
+__all__ = [
+    "BASE_PATH",
+    "ClientGone",
+    "LeaseApp",
+    "LeaseEndpoint",
+    "create_app",
+    "json_unavailable_app",
+    "read_body",
+]
 
 log = logging.getLogger("leasekeeper.http")
 access_log = logging.getLogger("leasekeeper.access")
@@ -221,7 +229,7 @@ _ROUTE_NAMES = {
 }
 
 
-class _ClientGone(Exception):
+class ClientGone(Exception):
     """The client disconnected before its request body arrived."""
 
 
@@ -291,7 +299,7 @@ class LeaseEndpoint:
             if not state["body_read"]:
                 # The rest of the body may still be on its way: end the connection.
                 extra.append((b"connection", b"close"))
-        except _ClientGone:
+        except ClientGone:
             return CLIENT_GONE
         except Exception as exc:
             log.error("unhandled error on POST %s", _ROUTE_NAMES.get(scope["path"]), exc_info=exc)
@@ -305,7 +313,7 @@ class LeaseEndpoint:
         limits = self.limits
         # The address first, before the body is read: a flood costs no reading.
         limits.enforce_address(scope)
-        raw = await self._read_body(scope, receive)
+        raw = await read_body(scope, receive, self.max_body, self.body_timeout, self._slow_body)
         state["body_read"] = True
         # Only JSON's own whitespace makes an empty body: bytes.strip() would also
         # drop \x0b and \x0c, which are not JSON and must be refused.
@@ -317,51 +325,65 @@ class LeaseEndpoint:
         reply = await self.service.handle(self.operation, data)
         return 201 if reply.created else 200, reply.json_bytes()
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
-        max_body = self.max_body
-        for name, value in scope["headers"]:
-            if name == b"content-length":
-                if value.isdigit() and _larger_than(value, max_body):
-                    raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
-                break
-        # A client trickling its body (or lying about its length) must not hold a
-        # connection forever: the whole body must arrive within body_timeout seconds
-        # (the headers have their own bound, http._protocol). The timer starts when a
-        # receive() first has to wait, before which no time has passed; a body that is
-        # already there (nearly every request) is read without one.
-        deadline = None
-        body = b""
-        try:
-            while True:
-                receiving = receive().__await__()
-                try:
-                    waits_for = receiving.send(None)
-                except StopIteration as arrived:
-                    message = arrived.value
-                else:
-                    if deadline is None:
-                        deadline = _Deadline(self.body_timeout)
-                    message = await _resume(receiving, waits_for)
-                if message["type"] != "http.request":  # http.disconnect
-                    raise _ClientGone
-                chunk: bytes = message.get("body", b"")
-                body += chunk  # usually one chunk; at most max_body bytes in all
-                if len(body) > max_body:
-                    raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
-                if not message.get("more_body", False):
-                    return body
-        except asyncio.CancelledError:
-            if deadline is None or not deadline.stop():
-                raise  # cancelled by someone else: never swallowed
-        except TimeoutError:
-            pass  # receive()'s own timeout: a slow body as well
-        finally:
-            if deadline is not None:
-                deadline.stop()
+    def _slow_body(self) -> None:
         self.metrics.slow_clients.labels("body").inc()
-        raise RequestTimeout(
-            f"The request body was not received within {self.body_timeout:g} seconds"
-        )
+
+
+async def read_body(
+    scope: Scope,
+    receive: Receive,
+    max_body: int,
+    body_timeout: float,
+    on_slow: Callable[[], None],
+) -> bytes:
+    """The request's whole body, read as every POST route reads it (the lease routes
+    and ``/mcp``): at most ``max_body`` bytes (a larger ``Content-Length`` is refused
+    before reading), all of it within ``body_timeout`` seconds.
+
+    Raises ``PayloadTooLarge``, ``RequestTimeout`` (after calling ``on_slow``, which
+    counts it), or ``ClientGone`` when the client disconnected first.
+    """
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            if value.isdigit() and _larger_than(value, max_body):
+                raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
+            break
+    # A client trickling its body (or lying about its length) must not hold a
+    # connection forever: the whole body must arrive within body_timeout seconds
+    # (the headers have their own bound, http._protocol). The timer starts when a
+    # receive() first has to wait, before which no time has passed; a body that is
+    # already there (nearly every request) is read without one.
+    deadline = None
+    body = b""
+    try:
+        while True:
+            receiving = receive().__await__()
+            try:
+                waits_for = receiving.send(None)
+            except StopIteration as arrived:
+                message = arrived.value
+            else:
+                if deadline is None:
+                    deadline = _Deadline(body_timeout)
+                message = await _resume(receiving, waits_for)
+            if message["type"] != "http.request":  # http.disconnect
+                raise ClientGone
+            chunk: bytes = message.get("body", b"")
+            body += chunk  # usually one chunk; at most max_body bytes in all
+            if len(body) > max_body:
+                raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
+            if not message.get("more_body", False):
+                return body
+    except asyncio.CancelledError:
+        if deadline is None or not deadline.stop():
+            raise  # cancelled by someone else: never swallowed
+    except TimeoutError:
+        pass  # receive()'s own timeout: a slow body as well
+    finally:
+        if deadline is not None:
+            deadline.stop()
+    on_slow()
+    raise RequestTimeout(f"The request body was not received within {body_timeout:g} seconds")
 
 
 def _larger_than(digits: bytes, limit: int) -> bool:

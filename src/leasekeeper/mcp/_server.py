@@ -38,7 +38,6 @@ tokens, fingerprints and results.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib.metadata
 import logging
@@ -76,6 +75,7 @@ from leasekeeper._metrics import Metrics
 from leasekeeper._schemas import DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
 from leasekeeper._service import LeaseService
 from leasekeeper._settings import Settings
+from leasekeeper.http._app import ClientGone, read_body
 from leasekeeper.http._errors import error_response
 
 __all__ = [
@@ -535,14 +535,15 @@ def streamable_http_mount(
 
 
 class _Gate:
-    """What ``/mcp`` puts in front of the SDK's app: the body read as the API reads one.
+    """What ``/mcp`` puts in front of the SDK's app: the body read as the API reads one
+    (``http._app.read_body``), then handed to the SDK whole.
 
     - The whole body must arrive within ``body_timeout`` seconds, or the answer is
       the API's 408 ``timeout`` and the connection is closed: the SDK waits for a
       body as long as the client likes, so a few clients promising bodies they do
       not send would hold every connection slot.
-    - A body over ``max_body`` bytes gets the API's 413 ``too_large`` (the
-      connection is closed: the rest is not read).
+    - A body over ``max_body`` bytes, or a ``Content-Length`` announcing one, gets
+      the API's 413 ``too_large`` (the connection is closed: the rest is not read).
     - JSON that repeats a name in an object is refused before the SDK reads it,
       which would keep the last of the two while a gateway in front of ``/mcp``
       may read the first: the JSON-RPC answer for JSON that cannot be parsed
@@ -559,46 +560,25 @@ class _Gate:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async with asyncio.timeout(self.body_timeout):
-                received, body = await self._read(receive)
-        except TimeoutError:
-            _count_slow_body(scope)
-            late = RequestTimeout(
-                f"The request body was not received within {self.body_timeout:g} seconds"
+            body = await read_body(
+                scope, receive, self.max_body, self.body_timeout, lambda: _count_slow_body(scope)
             )
-            await _closing(late)(scope, receive, send)
+        except ClientGone:
             return
-        if body is None:
-            if received[-1]["type"] == "http.request":  # else the client is gone
-                too_large = PayloadTooLarge(f"Request body is larger than {self.max_body} bytes")
-                await _closing(too_large)(scope, receive, send)
+        except (PayloadTooLarge, RequestTimeout) as error:
+            await _closing(error)(scope, receive, send)  # the rest is not read
             return
         try:
             check_unique_names(body)
         except InvalidRequest as error:
             await _parse_error(error.error)(scope, receive, send)
             return
-        replay = iter(received)
+        whole: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replayed() -> Message:
-            return next(replay, None) or await receive()
+            return whole.pop() if whole else await receive()
 
         await self.app(scope, replayed, _sdk_errors_as_json(send))
-
-    async def _read(self, receive: Receive) -> tuple[list[Message], bytes | None]:
-        """The messages received, and the body (None: too large, or the client left)."""
-        received: list[Message] = []
-        body = b""
-        while True:
-            message = await receive()
-            received.append(message)
-            if message["type"] != "http.request":
-                return received, None
-            body += message.get("body", b"")
-            if len(body) > self.max_body:
-                return received, None
-            if not message.get("more_body", False):
-                return received, body
 
 
 def _count_slow_body(scope: Scope) -> None:
