@@ -171,25 +171,20 @@ def check_tree(root: dict[str, Any]) -> None:
         if depth > MAX_DEPTH:
             raise InvalidRequest(f"Body nests deeper than {MAX_DEPTH} levels")
         if isinstance(node, dict):
-            for name, child in node.items():
+            for name in node:
                 if not name.isascii():
                     _check_surrogates(name)
-                if isinstance(child, str):
-                    if not child.isascii():
-                        _check_surrogates(child)
-                elif isinstance(child, dict | list):
-                    stack.append((child, depth + 1))
-                elif isinstance(child, float) and not math.isfinite(child):
-                    raise InvalidRequest(_NOT_FINITE)
+            children = node.values()
         else:
-            for child in node:
-                if isinstance(child, str):
-                    if not child.isascii():
-                        _check_surrogates(child)
-                elif isinstance(child, dict | list):
-                    stack.append((child, depth + 1))
-                elif isinstance(child, float) and not math.isfinite(child):
-                    raise InvalidRequest(_NOT_FINITE)
+            children = node
+        for child in children:
+            if isinstance(child, str):
+                if not child.isascii():
+                    _check_surrogates(child)
+            elif isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+            elif isinstance(child, float) and not math.isfinite(child):
+                raise InvalidRequest(_NOT_FINITE)
 
 
 _NOT_FINITE = "Body is not valid JSON: a number is NaN, infinite or too large for a double"
