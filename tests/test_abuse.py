@@ -380,10 +380,16 @@ def test_a_content_length_that_a_proxy_might_read_otherwise_is_refused(
 
 
 @pytest.mark.slow
-def test_a_huge_declared_body_is_refused_before_it_is_read(server: Server) -> None:
-    """Content-Length of a terabyte: 413 at once, and the connection is closed."""
+@pytest.mark.parametrize("path", ["/services/v1/lease", "/mcp"])
+def test_a_huge_declared_body_is_refused_before_it_is_read(server: Server, path: str) -> None:
+    """Content-Length of a terabyte: 413 at once, and the connection is closed; on /mcp
+    too, which reads its body as the API routes do."""
     sock = connect(server)
-    sock.sendall(b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\nContent-Length: 10")
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        "Accept: application/json, text/event-stream\r\nContent-Length: 10"
+    )
+    sock.sendall(head.encode())
     sock.sendall(b"00000000000\r\n\r\n{")
     status, headers, body, took = answer(sock)
     assert (status, body["status"]) == (413, "too_large") and headers["connection"] == "close"
