@@ -389,6 +389,37 @@ def test_fences_never_go_back_after_purge_or_restart(
     asyncio.run(main())
 
 
+def test_raising_the_fence_counter_never_lowers_it_and_lasts(
+    make_store: StoreFactory, store_kind: str, clock: FakeClock
+) -> None:
+    """``raise_fence`` moves the counter up, never down; the next grant is above it, and
+    so is every grant after a purge or a restart."""
+
+    async def main() -> None:
+        key = new_id()
+        store = make_store(store_kind)
+        async with opened(store):
+            assert await store.raise_fence(0) == 0  # reads a fresh store's counter
+            first = (await grant(store, key, new_id(), lifecycle_ms=1000)).record.fencing_token
+            assert await store.raise_fence(0) == first
+            assert await store.raise_fence(first - 1) == first
+            assert await store.raise_fence(first + 1000) == first + 1000
+            assert await store.raise_fence(first + 10) == first + 1000
+            clock.advance(1)  # the lease ends: the next acquire is a new owner
+            again = (await grant(store, key, new_id(), lifecycle_ms=1000)).record
+            assert again.fencing_token == first + 1001
+            clock.advance(1)
+            assert await purge_all(store) == 1
+            assert await store.raise_fence(5) == first + 1001
+        async with opened(make_store(store_kind, like=store)) as reopened:
+            assert await reopened.raise_fence(first + 5000) == first + 5000
+        async with opened(make_store(store_kind, like=store)) as last:
+            assert await last.raise_fence(0) == first + 5000
+            assert (await grant(last, key, new_id())).record.fencing_token == first + 5001
+
+    asyncio.run(main())
+
+
 def test_records_survive_a_restart(
     make_store: StoreFactory, store_kind: str, clock: FakeClock
 ) -> None:

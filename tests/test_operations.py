@@ -223,3 +223,27 @@ def test_cleanup_walks_the_store_and_pauses_after_each_step_as_long_as_it_took()
     assert asyncio.run(service.cleanup()) == 3
     assert store.asked == [(2, None), (2, b"k1"), (2, b"k2")]
     assert pauses == [0.015, 0.015]  # after the first two steps; none after the last
+
+
+def test_raising_the_fence_counter_is_bounded_and_timed() -> None:
+    """``LeaseService.raise_fence`` refuses a value outside 0 .. 2^63 - 2 (the last leaves
+    one token to grant) before the store is asked, and reports the call as a store call."""
+    import asyncio
+
+    from leasekeeper import LeaseService
+    from leasekeeper._metrics import Metrics
+    from leasekeeper.store import MAX_FENCING_TOKEN
+
+    store = MemoryStore(FakeClock(0))
+    service = LeaseService(store)
+    metrics = Metrics()
+    service.add_observer(metrics)
+    for wrong in (-1, MAX_FENCING_TOKEN, MAX_FENCING_TOKEN + 1):
+        with pytest.raises(ValueError, match="at_least"):
+            asyncio.run(service.raise_fence(wrong))
+    assert asyncio.run(service.raise_fence(0)) == 0
+    assert asyncio.run(service.raise_fence(MAX_FENCING_TOKEN - 1)) == MAX_FENCING_TOKEN - 1
+    observed = metrics.registry.get_sample_value(
+        "leasekeeper_store_seconds_count", {"operation": "raise_fence"}
+    )
+    assert observed == 2

@@ -374,6 +374,54 @@ def test_the_live_count_and_decisions_do_not_wait_for_each_other(
     asyncio.run(main())
 
 
+def test_a_grant_during_a_raise_of_the_counter_draws_above_it(
+    make_store: StoreFactory, url: str
+) -> None:
+    """``raise_fence`` reads the counter and sets it in one transaction whose first
+    statement locks the sequence: a grant that draws its token meanwhile (another
+    instance's, here the store's own) waits for the COMMIT and draws above the raised
+    value, instead of the setval taking back what it drew. Here the raise's statements
+    run on a connection of the test's, which holds the transaction open."""
+    from leasekeeper.store._postgres import _LOCK_FENCE, _READ_FENCE, _SET_FENCE
+
+    store = make_store("postgres", timeout_seconds=10)
+
+    async def waiting_for_a_lock(conn: Any, schema: str) -> bool:
+        for _ in range(500):
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE application_name = %s AND wait_event_type = 'Lock'",
+                (schema,),
+            ).fetchone()
+            if row[0]:
+                return True
+            await asyncio.sleep(0.01)  # polling the server's state, not waiting out a time
+        return False
+
+    async def main() -> None:
+        async with opened(store):
+            first = await store.apply(acquire())
+            assert isinstance(first.outcome, Granted)
+            assert first.outcome.record.fencing_token == 1
+            schema = store.schema
+            with admin(url) as raiser, admin(url) as watcher:
+                raiser.execute("BEGIN")
+                raiser.execute(f"SET LOCAL search_path = {schema}")
+                raiser.execute(_LOCK_FENCE)
+                assert raiser.execute(_READ_FENCE).fetchone() == (1,)
+                grant = asyncio.ensure_future(store.apply(acquire()))
+                assert await waiting_for_a_lock(watcher, schema)
+                assert not grant.done()
+                raiser.execute(_SET_FENCE, (500,))
+                raiser.execute("COMMIT")
+                decision = await grant
+            assert isinstance(decision.outcome, Granted)
+            assert decision.outcome.record.fencing_token == 501
+            assert await store.raise_fence(0) == 501
+
+    asyncio.run(main())
+
+
 # -- failures --------------------------------------------------------------------------------
 
 

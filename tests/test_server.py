@@ -337,6 +337,50 @@ def test_cleanup_command_deletes_finished_lifecycles_once(tmp_path: Path) -> Non
     assert SqliteStore(db).fencing_counter() == fence_before
 
 
+def _fence_command(db: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
+    argv = [sys.executable, "-m", "leasekeeper.cli", "fence", "--store", f"sqlite:///{db}"]
+    return subprocess.run([*argv, *args], capture_output=True, check=False, timeout=60)
+
+
+def test_fence_command_prints_and_raises_the_counter_never_lowering_it(tmp_path: Path) -> None:
+    """`leasekeeper fence` prints the counter; `--raise-to N` raises it to N unless it is
+    higher; an N out of range is a usage error that changes nothing; the next grant on
+    the file is above the counter."""
+    db = tmp_path / "restored.db"
+    _expired_records(db, 3)
+    assert SqliteStore(db).fencing_counter() == 3
+
+    def counter(*args: str) -> int:
+        done = _fence_command(db, *args)
+        assert done.returncode == 0, done.stderr
+        body = json.loads(done.stdout)
+        assert body.keys() == {"ok", "fencing_counter"} and body["ok"] is True
+        return int(body["fencing_counter"])
+
+    assert counter() == 3
+    assert counter("--raise-to", "2") == 3
+    assert counter("--raise-to", "1000") == 1000
+    assert counter("--raise-to", "999") == 1000
+    for wrong in ("-1", "9223372036854775807", "1e3", "many"):
+        refused = _fence_command(db, "--raise-to", wrong)
+        assert refused.returncode == 2 and b"--raise-to" in refused.stderr, refused
+        assert refused.stdout == b""
+    assert SqliteStore(db).fencing_counter() == 1000
+
+    async def grant() -> int:
+        service = LeaseService(SqliteStore(db))
+        await service.start()
+        try:
+            reply = await service.handle(
+                "acquire", {"namespace": "ns_" + "C" * 42 + "A", "key": "k"}
+            )
+        finally:
+            await service.stop()
+        return int(reply.body["fencing_token"])
+
+    assert asyncio.run(grant()) == 1001
+
+
 def test_server_cleans_up_on_its_interval(tmp_path: Path) -> None:
     """The server's cleanup task runs every LEASEKEEPER_CLEANUP_INTERVAL_SECONDS."""
     db = tmp_path / "interval.db"

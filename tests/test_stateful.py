@@ -238,6 +238,15 @@ class LeaseMachine(RuleBasedStateMachine):
     def cleanup(self) -> None:
         self.loop.run_until_complete(self.service.cleanup())
 
+    @rule(delta=st.integers(-2, 5))
+    def raise_fence(self, delta: int) -> None:
+        """An operator raises the counter (or asks for less than it is): never lowered,
+        and the model's next grant, one above it, is checked by ``acquire``."""
+        target = max(0, self.model.counter + delta)
+        counter = self.loop.run_until_complete(self.service.raise_fence(target))
+        self.model.counter = max(self.model.counter, target)
+        assert counter == self.model.counter
+
     @invariant()
     def fences_rise_per_key(self) -> None:
         for fences in self.fences.values():

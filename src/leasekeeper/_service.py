@@ -47,7 +47,7 @@ from leasekeeper._schemas import (
     RenewBody,
     parse_body,
 )
-from leasekeeper.store import LiveCounter, Purged, Store
+from leasekeeper.store import MAX_FENCING_TOKEN, LiveCounter, Purged, Store
 
 __all__ = ["OPERATIONS", "LeaseService", "Reply", "ServiceObserver"]
 
@@ -240,6 +240,21 @@ class LeaseService:
                 return total
             resume = step.resume
             await self._sleep(self._cleanup_pause * max(0.0, self._monotonic() - started))
+
+    async def raise_fence(self, at_least: int) -> int:
+        """Raise the store's fencing counter to ``at_least`` unless it is higher; return it.
+
+        Every token granted afterwards is above the returned value. For operators
+        (``leasekeeper fence --raise-to``): after a backup is restored, or records move
+        to another store, tokens issued meanwhile are above what the store remembers,
+        and a new owner could be given one a stale owner still holds. ``at_least`` must
+        leave room for one more token (``0 <= at_least < MAX_FENCING_TOKEN``); without
+        raising, ``raise_fence(0)`` reads the counter.
+        """
+        if not 0 <= at_least < MAX_FENCING_TOKEN:
+            raise ValueError(f"at_least must be from 0 to {MAX_FENCING_TOKEN - 1}")
+        counter: int = await self._timed("raise_fence", self.store.raise_fence(at_least))
+        return counter
 
     async def handle(self, operation: str, data: Mapping[str, Any]) -> Reply:
         """Validate ``data`` for ``operation`` (a key of ``OPERATIONS``) and run it."""

@@ -1,4 +1,4 @@
-"""The ``leasekeeper`` command: ``serve``, ``mcp`` and ``cleanup``."""
+"""The ``leasekeeper`` command: ``serve``, ``mcp``, ``cleanup`` and ``fence``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -18,7 +18,7 @@ from leasekeeper._service import LeaseService
 from leasekeeper._settings import Settings, SettingsError
 from leasekeeper.client._cli import CLIENT_COMMANDS
 from leasekeeper.http._protocol import guard_protocol
-from leasekeeper.store import StoreURLError, open_store
+from leasekeeper.store import MAX_FENCING_TOKEN, StoreURLError, open_store
 
 if TYPE_CHECKING:
     from leasekeeper.http import LeaseApp
@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 __all__ = ["main", "serve_app"]
 
 log = logging.getLogger("leasekeeper")
+
+T = TypeVar("T")
 
 
 def _settings(**overrides: Any) -> Settings:
@@ -226,26 +228,52 @@ def mcp_command(store: str | None) -> None:
         sys.exit(1)
 
 
-@main.command()
-@click.option("--store", default=None, help="Store URL [LEASEKEEPER_STORE].")
-def cleanup(store: str | None) -> None:
-    """Delete every record whose lifecycle is over, once, and print how many."""
-    settings = _settings(store=store)
-    service = _service(settings)
+def _once(command: str, store: str | None, work: Callable[[LeaseService], Awaitable[T]]) -> T:
+    """Open the store, ``await work(service)``, close it; on failure say so and exit 1."""
+    service = _service(_settings(store=store))
 
-    async def run() -> int:
+    async def run() -> T:
         await service.start()
         try:
-            return await service.cleanup()
+            return await work(service)
         finally:
             await service.stop()
 
     try:
-        deleted = asyncio.run(run())
+        return asyncio.run(run())
     except Exception as exc:
-        click.echo(f"cleanup failed: {exc}", err=True)
+        click.echo(f"{command} failed: {exc}", err=True)
         sys.exit(1)
+
+
+@main.command()
+@click.option("--store", default=None, help="Store URL [LEASEKEEPER_STORE].")
+def cleanup(store: str | None) -> None:
+    """Delete every record whose lifecycle is over, once, and print how many."""
+    deleted = _once("cleanup", store, LeaseService.cleanup)
     click.echo(f'{{"ok": true, "deleted": {deleted}}}')
+
+
+@main.command()
+@click.option("--store", default=None, help="Store URL [LEASEKEEPER_STORE].")
+@click.option(
+    "--raise-to",
+    type=click.IntRange(0, MAX_FENCING_TOKEN - 1),
+    default=None,
+    metavar="N",
+    help="First raise the counter to N, unless it is higher already.",
+)
+def fence(store: str | None, raise_to: int | None) -> None:
+    """Print the store's fencing counter; every token granted later is above it.
+
+    After restoring a backup, or moving records to another store, run it with
+    --raise-to N, N at least the highest token handed out before (the highest your
+    FenceGuard tables hold: SELECT max(fence) FROM leasekeeper_fences). Otherwise a
+    new owner could be given a token that a stale owner still holds. It never lowers
+    the counter, and is safe while servers use the store.
+    """
+    counter = _once("fence", store, lambda service: service.raise_fence(raise_to or 0))
+    click.echo(f'{{"ok": true, "fencing_counter": {counter}}}')
 
 
 if __name__ == "__main__":  # pragma: no cover - python -m leasekeeper.cli

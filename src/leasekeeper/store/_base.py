@@ -19,6 +19,11 @@ and offers exactly this:
     fencing counter.
 ``ping()``
     Succeed when the store can serve requests (``/readyz``).
+``raise_fence(at_least)``
+    Atomically, as one durable transaction: raise the fencing counter to
+    ``at_least`` if it is lower, never lower it, and return the counter. Every
+    token granted after it returns is above the returned value, on every instance
+    sharing the store (``leasekeeper fence --raise-to``, after a restore or a move).
 
 Optionally, a store may also be a ``LiveCounter``: ``count_live()`` returns how many
 leases are held at the store's ``now`` (for the ``leasekeeper_live_leases`` gauge). It
@@ -88,6 +93,10 @@ class Store(Protocol):
 
     async def ping(self) -> None:
         """Raise ``ServiceUnavailable`` unless the store can serve requests now."""
+        ...
+
+    async def raise_fence(self, at_least: int) -> int:
+        """Raise the fencing counter to ``at_least`` unless it is higher; the counter."""
         ...
 
 

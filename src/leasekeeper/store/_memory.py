@@ -42,6 +42,11 @@ class MemoryStore:
                 self._records[command.key_id] = decision.write
             return decision
 
+    async def raise_fence(self, at_least: int) -> int:
+        with self._lock:
+            self._fence = max(self._fence, at_least)
+            return self._fence
+
     async def purge(self, limit: int, after: bytes | None = None) -> Purged:
         """Deletes up to ``limit`` finished records; the walk is over when fewer were left."""
         with self._lock:

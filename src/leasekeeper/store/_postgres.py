@@ -182,6 +182,18 @@ _PURGE_AT: Final = (
     "FOR UPDATE SKIP LOCKED))"
 )
 _PING: Final = "SELECT 1 FROM leasekeeper_leases LIMIT 0"
+# Raising the counter (``raise_fence``). setval() alone could race another
+# instance's nextval(): read 10, another session draws 11, setval(10) takes it back.
+# ALTER SEQUENCE locks the sequence until COMMIT, and nextval() waits for that lock
+# (seen on PostgreSQL 15: a nextval() sent meanwhile returned only after the COMMIT,
+# and above the raised value), so between the read and the setval nothing is drawn.
+# CACHE 1 is what the sequence has anyway (``_DDL``). Needs the sequence's owner.
+_LOCK_FENCE: Final = "ALTER SEQUENCE leasekeeper_fence CACHE 1"
+# The counter: the last value drawn, or 0 before the first (last_value is then START).
+_READ_FENCE: Final = (
+    "SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM leasekeeper_fence"
+)
+_SET_FENCE: Final = "SELECT setval('leasekeeper_fence', %s)"
 # Leases held at the store's now: the same definition as the other stores. A plain
 # SELECT takes no row locks, and its ACCESS SHARE table lock conflicts with none that a
 # write takes, so the scan neither delays a decision nor waits for one. The database
@@ -385,6 +397,24 @@ class PostgresStore:
             await conn.execute(_PING)
 
         await self._run("ping", run)
+
+    async def raise_fence(self, at_least: int) -> int:
+        """One transaction that holds the sequence's lock (``_LOCK_FENCE``) from the read
+        to the COMMIT; safe to repeat, so a retried attempt changes nothing more."""
+
+        async def run(conn: Connection, attempt: _Attempt[int]) -> int:
+            async with conn.transaction():
+                # prepare=False: DDL cannot be prepared, and these run once.
+                await conn.execute(_LOCK_FENCE, prepare=False)
+                current = _first_int(
+                    await (await conn.execute(_READ_FENCE, prepare=False)).fetchone()
+                )
+                if at_least > current:
+                    await conn.execute(_SET_FENCE, (at_least,), prepare=False)
+                    current = at_least
+            return current
+
+        return await self._run("raise_fence", run)
 
     async def count_live(self) -> int:
         """Leases held at the store's now (the ``leasekeeper_live_leases`` gauge).

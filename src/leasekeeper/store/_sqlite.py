@@ -153,6 +153,8 @@ def _select_many(count: int) -> str:
     return _SELECT_MANY + "(" + ", ".join("?" * count) + ")"
 
 
+_READ_FENCE = "SELECT value FROM meta WHERE name = 'fence'"
+_RAISE_FENCE = "UPDATE meta SET value = max(value, ?) WHERE name = 'fence'"
 _COUNT_LIVE = "SELECT count(*) FROM leases WHERE owner IS NOT NULL AND lease_expires_ms > ?"
 #: A purge step walks the table in key order: the next ``limit`` keys past the
 #: last step's, then the finished records among them. Records live in key order,
@@ -297,6 +299,18 @@ class SqliteStore:
         purged: Purged = await self._submit(None, run)
         return purged
 
+    async def raise_fence(self, at_least: int) -> int:
+        """One transaction on the writer's thread, fsynced before it returns, like a batch;
+        a batch decided after it reads the raised counter (``_decide_in_transaction``)."""
+
+        def run(conn: sqlite3.Connection) -> int:
+            conn.execute(_RAISE_FENCE, (at_least,))
+            (value,) = conn.execute(_READ_FENCE).fetchone()
+            return int(value)
+
+        counter: int = await self._submit(None, run)
+        return counter
+
     async def ping(self) -> None:
         def run(conn: sqlite3.Connection) -> None:
             conn.execute("SELECT 1").fetchone()
@@ -323,7 +337,7 @@ class SqliteStore:
     def fencing_counter(self) -> int:
         """The counter's committed value, read on a separate connection (tests, tools)."""
         with contextlib.closing(sqlite3.connect(self.path)) as conn:
-            row = conn.execute("SELECT value FROM meta WHERE name = 'fence'").fetchone()
+            row = conn.execute(_READ_FENCE).fetchone()
             return int(row[0])
 
     # -- the connection's two sides ---------------------------------------------------------
@@ -572,7 +586,7 @@ class SqliteStore:
         self, conn: sqlite3.Connection, batch: list[_Op], results: _Results
     ) -> None:
         """Decide ``batch`` (lease commands) and write the fencing counter they moved."""
-        (start,) = conn.execute("SELECT value FROM meta WHERE name = 'fence'").fetchone()
+        (start,) = conn.execute(_READ_FENCE).fetchone()
         fence = start
 
         def next_fence() -> int:
