@@ -344,8 +344,8 @@ def _fence_command(db: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
 
 def test_fence_command_prints_and_raises_the_counter_never_lowering_it(tmp_path: Path) -> None:
     """`leasekeeper fence` prints the counter; `--raise-to N` raises it to N unless it is
-    higher; an N out of range is a usage error that changes nothing; the next grant on
-    the file is above the counter."""
+    higher; an N out of range, or a path with no store, is a usage error that changes
+    nothing; the next grant on the file is above the counter."""
     db = tmp_path / "restored.db"
     _expired_records(db, 3)
     assert SqliteStore(db).fencing_counter() == 3
@@ -366,6 +366,11 @@ def test_fence_command_prints_and_raises_the_counter_never_lowering_it(tmp_path:
         assert refused.returncode == 2 and b"--raise-to" in refused.stderr, refused
         assert refused.stdout == b""
     assert SqliteStore(db).fencing_counter() == 1000
+    # A path with no store (a typo, the wrong directory) is refused, not created and raised.
+    missing = tmp_path / "elsewhere.db"
+    refused = _fence_command(missing, "--raise-to", "5")
+    assert refused.returncode == 2 and b"no SQLite store" in refused.stderr, refused
+    assert not missing.exists()
 
     async def grant() -> int:
         service = LeaseService(SqliteStore(db))

@@ -18,7 +18,7 @@ from leasekeeper._service import LeaseService
 from leasekeeper._settings import Settings, SettingsError
 from leasekeeper.client._cli import CLIENT_COMMANDS
 from leasekeeper.http._protocol import guard_protocol
-from leasekeeper.store import MAX_FENCING_TOKEN, StoreURLError, open_store
+from leasekeeper.store import MAX_FENCING_TOKEN, SqliteStore, StoreURLError, open_store
 
 if TYPE_CHECKING:
     from leasekeeper.http import LeaseApp
@@ -228,9 +228,18 @@ def mcp_command(store: str | None) -> None:
         sys.exit(1)
 
 
-def _once(command: str, store: str | None, work: Callable[[LeaseService], Awaitable[T]]) -> T:
-    """Open the store, ``await work(service)``, close it; on failure say so and exit 1."""
+def _once(
+    command: str,
+    store: str | None,
+    work: Callable[[LeaseService], Awaitable[T]],
+    *,
+    existing: bool = False,
+) -> T:
+    """Open the store, ``await work(service)``, close it; on failure say so and exit 1.
+    With ``existing``, a SQLite file that is not there is a usage error, not a new store."""
     service = _service(_settings(store=store))
+    if existing and isinstance(service.store, SqliteStore) and not service.store.path.exists():
+        raise click.UsageError(f"there is no SQLite store at {service.store.path}")
 
     async def run() -> T:
         await service.start()
@@ -270,9 +279,12 @@ def fence(store: str | None, raise_to: int | None) -> None:
     --raise-to N, N at least the highest token handed out before (the highest your
     FenceGuard tables hold: SELECT max(fence) FROM leasekeeper_fences). Otherwise a
     new owner could be given a token that a stale owner still holds. It never lowers
-    the counter, and is safe while servers use the store.
+    the counter, and is safe while servers use the store. It creates no store: a SQLite
+    path where there is no file is an error.
     """
-    counter = _once("fence", store, lambda service: service.raise_fence(raise_to or 0))
+    counter = _once(
+        "fence", store, lambda service: service.raise_fence(raise_to or 0), existing=True
+    )
     click.echo(f'{{"ok": true, "fencing_counter": {counter}}}')
 
 
