@@ -10,6 +10,7 @@ afterwards; without that variable they skip with the reason, except in CI
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -221,3 +222,15 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.section("leasekeeper runs")
         for line in RUN_SUMMARIES:
             terminalreporter.write_line(line)
+
+
+def metric(text: str, name: str, *, absent: float | None = None, **labels: str) -> float:
+    """The value of one sample in Prometheus text; ``absent`` if it is not there (a
+    labelled child not made yet), which without ``absent`` fails the test."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pattern = re.escape(name) + (r"\{" + re.escape(wanted) + r"\}" if labels else "") + r" (\S+)"
+    found = re.search(r"^" + pattern + r"$", text, re.MULTILINE)
+    if found is None and absent is not None:
+        return absent
+    assert found, f"{name} {labels} not in metrics"
+    return float(found.group(1))

@@ -32,7 +32,7 @@ from leasekeeper.http._app import _larger_than
 from leasekeeper.http._protocol import guard_protocol
 from leasekeeper.store import MemoryStore
 from tests._server import Server, free_port, running_server
-from tests.conftest import FakeMonotonic
+from tests.conftest import FakeMonotonic, metric
 
 BASE = "/services/v1"
 
@@ -306,8 +306,7 @@ def test_endless_headers_are_cut_off_at_64_kib(server: Server) -> None:
 def _slow_bodies(server: Server) -> float:
     """The server's leasekeeper_slow_clients_total{stage="body"} (0 before the first)."""
     metrics = httpx.get(f"{server.url}/metrics").text
-    prefix = 'leasekeeper_slow_clients_total{stage="body"} '
-    return next((float(m.split()[-1]) for m in metrics.splitlines() if m.startswith(prefix)), 0.0)
+    return metric(metrics, "leasekeeper_slow_clients_total", absent=0.0, stage="body")
 
 
 @pytest.mark.slow

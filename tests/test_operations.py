@@ -15,7 +15,7 @@ import pytest
 from leasekeeper import FakeClock
 from leasekeeper._logging import JsonFormatter
 from leasekeeper.store import MemoryStore
-from tests.conftest import STORE_KINDS, Api, ApiFactory
+from tests.conftest import STORE_KINDS, Api, ApiFactory, metric
 
 KEY = "invoice:2026-09-05"
 
@@ -69,15 +69,6 @@ def test_log_lines_carry_the_request_id(api: Api, ns: str, log_lines: io.StringI
     assert access["message"].startswith("POST acquire 201 ")
     assert by_id[missing.headers["x-request-id"]]["message"].startswith("GET other 404 ")
     assert ns not in log_lines.getvalue() and KEY not in log_lines.getvalue()
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one sample in Prometheus text."""
-    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    pattern = re.escape(name) + (r"\{" + re.escape(wanted) + r"\}" if labels else "") + r" (\S+)"
-    found = re.search(r"^" + pattern + r"$", text, re.MULTILINE)
-    assert found, f"{name} {labels} not in metrics"
-    return float(found.group(1))
 
 
 def test_metrics_follow_decisions_store_calls_and_lease_times(
