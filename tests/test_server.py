@@ -17,9 +17,11 @@ from typing import Any
 
 import httpx
 import pytest
+from click.testing import CliRunner
 
 from leasekeeper import FakeClock, LeaseError, LeaseService, Settings
 from leasekeeper._core import secrets as lk_secrets
+from leasekeeper.cli import main
 from leasekeeper.http import create_app
 from leasekeeper.store import SqliteStore
 from tests._server import running_server, start_server
@@ -384,6 +386,16 @@ def test_fence_command_prints_and_raises_the_counter_never_lowering_it(tmp_path:
         return int(reply.body["fencing_token"])
 
     assert asyncio.run(grant()) == 1001
+
+
+@pytest.mark.parametrize("argv", [["fence", "--raise-to", "5"], ["fence"], ["cleanup"]])
+def test_fence_and_cleanup_refuse_a_memory_store(argv: list[str]) -> None:
+    """A memory store is empty in every process but the server's: `fence` would print
+    0 and raise nothing that any server uses, so both commands refuse it (exit 2)."""
+    done = CliRunner().invoke(main, [*argv, "--store", "memory://"])
+    assert done.exit_code == 2, done.output
+    assert "memory:// store lives only inside the server" in done.output
+    assert "fencing_counter" not in done.output and "deleted" not in done.output
 
 
 def test_server_cleans_up_on_its_interval(tmp_path: Path) -> None:

@@ -18,7 +18,13 @@ from leasekeeper._service import LeaseService
 from leasekeeper._settings import Settings, SettingsError
 from leasekeeper.client._cli import CLIENT_COMMANDS
 from leasekeeper.http._protocol import guard_protocol
-from leasekeeper.store import MAX_FENCING_TOKEN, SqliteStore, StoreURLError, open_store
+from leasekeeper.store import (
+    MAX_FENCING_TOKEN,
+    MemoryStore,
+    SqliteStore,
+    StoreURLError,
+    open_store,
+)
 
 if TYPE_CHECKING:
     from leasekeeper.http import LeaseApp
@@ -236,8 +242,14 @@ def _once(
     existing: bool = False,
 ) -> T:
     """Open the store, ``await work(service)``, close it; on failure say so and exit 1.
-    With ``existing``, a SQLite file that is not there is a usage error, not a new store."""
+    With ``existing``, a SQLite file that is not there is a usage error, not a new store.
+    A memory store is always one: it is empty in every process but the server's."""
     service = _service(_settings(store=store))
+    if isinstance(service.store, MemoryStore):
+        raise click.UsageError(
+            f"{command} needs a store that outlives a process: a memory:// store "
+            "lives only inside the server that holds it"
+        )
     if existing and isinstance(service.store, SqliteStore) and not service.store.path.exists():
         raise click.UsageError(f"there is no SQLite store at {service.store.path}")
 
