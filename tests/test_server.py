@@ -398,6 +398,15 @@ def test_fence_and_cleanup_refuse_a_memory_store(argv: list[str]) -> None:
     assert "fencing_counter" not in done.output and "deleted" not in done.output
 
 
+def test_cleanup_refuses_a_sqlite_path_with_no_store(tmp_path: Path) -> None:
+    """A typo in the path is a usage error (exit 2), not a new empty store that
+    answers "deleted 0" while the real one is never cleaned."""
+    missing = tmp_path / "typo.db"
+    done = CliRunner().invoke(main, ["cleanup", "--store", f"sqlite:///{missing}"])
+    assert done.exit_code == 2 and "no SQLite store" in done.output, done.output
+    assert not missing.exists()
+
+
 def test_server_cleans_up_on_its_interval(tmp_path: Path) -> None:
     """The server's cleanup task runs every LEASEKEEPER_CLEANUP_INTERVAL_SECONDS."""
     db = tmp_path / "interval.db"

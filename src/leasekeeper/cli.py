@@ -270,8 +270,10 @@ def _once(
 @main.command()
 @click.option("--store", default=None, help="Store URL [LEASEKEEPER_STORE].")
 def cleanup(store: str | None) -> None:
-    """Delete every record whose lifecycle is over, once, and print how many."""
-    deleted = _once("cleanup", store, LeaseService.cleanup)
+    """Delete every record whose lifecycle is over, once, and print how many.
+
+    It creates no store: a SQLite path where there is no file is an error."""
+    deleted = _once("cleanup", store, LeaseService.cleanup, existing=True)
     click.echo(f'{{"ok": true, "deleted": {deleted}}}')
 
 
