@@ -208,6 +208,23 @@ def test_async_lease_on_a_completed_key(run_app: Callable[..., None], fake_time:
     run_app(scenario)
 
 
+def test_async_results_keep_integers_past_64_bits(
+    run_app: Callable[..., None], fake_time: FakeTime
+) -> None:
+    """As in the sync client: 10**30 + 1 comes back an int, not the float 1e+30."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        client = fake_client(transport, fake_time)
+        namespace = await client.create_namespace()
+        async with client.lease(namespace, KEY) as lease:
+            assert await lease.complete([10**30 + 1]) == [10**30 + 1]
+        async with client.lease(namespace, KEY) as again:
+            assert again.completed
+            assert again.result == [10**30 + 1] and type(again.result[0]) is int
+
+    run_app(scenario)
+
+
 def test_async_renewal_task_renews_for_real_and_is_cancelled_on_exit(
     run_app: Callable[..., None],
 ) -> None:

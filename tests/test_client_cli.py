@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -117,6 +118,38 @@ def test_acquire_renew_complete_with_exit_codes(cli: Cli, tmp_path: Path) -> Non
     reused = cli("acquire", "--key", "invoice:1", "--fingerprint", "f")
     assert reused.exit_code == EXIT_COMPLETED
     assert cli.json(reused)["result"] == {"receipt": 4817}
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("NaN", "NaN is not JSON"),
+        ('{"a": 1, "a": 2}', "an object repeats a name"),
+        ('{"a": ', "Expecting value"),
+    ],
+)
+def test_complete_refuses_a_result_the_service_would_not_take(
+    cli: Cli, text: str, why: str
+) -> None:
+    """A result that is not strict JSON is bad usage (2) and leaves the lease held."""
+    token = cli.json(cli("acquire", "--key", "k"))["owner_token"]
+    cli.environ["LEASEKEEPER_OWNER_TOKEN"] = token
+    refused = cli("complete", "--key", "k", "--result", text)
+    assert refused.exit_code == 2 and why in refused.output, refused.output
+    assert cli("renew", "--key", "k").exit_code == 0  # still held by the same owner
+
+
+def test_complete_and_replay_keep_integers_past_64_bits(cli: Cli) -> None:
+    """--result with 10**30 + 1 is stored, printed and replayed exactly (orjson would have
+    read and stored it as 1e+30)."""
+    token = cli.json(cli("acquire", "--key", "big"))["owner_token"]
+    cli.environ["LEASEKEEPER_OWNER_TOKEN"] = token
+    done = cli("complete", "--key", "big", "--result", '{"n": 1000000000000000000000000000001}')
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["result"] == {"n": 10**30 + 1}
+    replay = cli("acquire", "--key", "big")
+    assert replay.exit_code == EXIT_COMPLETED
+    assert '"result":{"n":1000000000000000000000000000001}' in replay.stdout
 
 
 def test_release_with_the_token_from_the_environment(cli: Cli) -> None:

@@ -116,6 +116,19 @@ def test_complete_then_acquire_returns_the_stored_result(
     assert again.fencing_token == lease.fencing_token
 
 
+def test_integers_past_64_bits_come_back_exactly(client: LeaseClient, namespace: str) -> None:
+    """The service stores a result's integers exactly, and the client reads them back so
+    (orjson would read 10**30 + 1 as the float 1e+30), from complete and from a replay."""
+    big = {"n": 10**30 + 1, "negative": -(2**64) - 1, "near": [2**63 - 1, 0.5]}
+    lease = client.acquire(namespace, KEY)
+    assert isinstance(lease, Lease)
+    done = client.complete(namespace, KEY, lease.owner_token, big)
+    assert done.result == big and type(done.result["n"]) is int
+    again = client.acquire(namespace, KEY)
+    assert isinstance(again, Completed)
+    assert again.result == big and type(again.result["negative"]) is int
+
+
 _CYCLE: list[Any] = []
 _CYCLE.append(_CYCLE)  # a list that contains itself
 

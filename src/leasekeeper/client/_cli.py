@@ -33,6 +33,7 @@ the JSON that ``leasekeeper namespace`` / ``leasekeeper acquire`` printed.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import os
@@ -48,7 +49,6 @@ from types import FrameType
 from typing import Any, NoReturn, TypeVar
 
 import click
-import orjson
 
 from leasekeeper._errors import (
     FingerprintConflict,
@@ -60,7 +60,7 @@ from leasekeeper._errors import (
     RequestTimeout,
     ServiceUnavailable,
 )
-from leasekeeper.client._http import DEFAULT_TIMEOUT, DEFAULT_URL
+from leasekeeper.client._http import DEFAULT_TIMEOUT, DEFAULT_URL, decode
 from leasekeeper.client._results import Completed
 from leasekeeper.client._sync import HeldLease, LeaseClient
 
@@ -144,7 +144,17 @@ def _env() -> CliEnvironment:
 
 
 def _print_json(body: Mapping[str, Any], *, err: bool = False) -> None:
-    click.echo(orjson.dumps(body).decode(), err=err)
+    # Python's json, not orjson: a result may hold integers past 64 bits.
+    click.echo(json.dumps(body, ensure_ascii=False, separators=(",", ":")), err=err)
+
+
+def _json_problem(exc: ValueError) -> str:
+    """What is wrong with JSON text, without repeating any of it (it may hold secrets)."""
+    if isinstance(exc, json.JSONDecodeError):
+        return f"{exc.msg} at position {exc.pos}"
+    if isinstance(exc, UnicodeDecodeError):
+        return "it is not UTF-8"
+    return str(exc)
 
 
 def _fail(error: LeaseError, *, err: bool = False) -> NoReturn:
@@ -271,8 +281,8 @@ def _secret(
         value = _read_file(path, f"--{name}-file")
         if json_field is not None and value.startswith("{"):
             try:
-                value = str(orjson.loads(value).get(json_field) or "")
-            except (orjson.JSONDecodeError, AttributeError):
+                value = str(decode(value).get(json_field) or "")
+            except (ValueError, AttributeError):
                 raise click.UsageError(f"--{name}-file: the file is not valid JSON") from None
         if not value:
             raise click.UsageError(f"--{name}-file: no {name} in the file")
@@ -465,9 +475,9 @@ def complete_command(**options: Any) -> None:
     if path is not None:
         text = _read_file(path, "--result-file")
     try:
-        result = orjson.loads(text)
-    except orjson.JSONDecodeError:
-        raise click.UsageError("the result is not valid JSON") from None
+        result = decode(text)
+    except ValueError as exc:
+        raise click.UsageError(f"the result is not valid JSON: {_json_problem(exc)}") from None
     target = _target(options)
     token = _owner_token(options, target.environ)
     with target.client as client:

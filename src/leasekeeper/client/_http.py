@@ -12,7 +12,6 @@ import json
 from typing import Any
 
 import httpx
-import orjson
 
 from leasekeeper._errors import LeaseError, ServiceUnreachable, error_from_body
 
@@ -22,6 +21,7 @@ __all__ = [
     "DEFAULT_URL",
     "HEADERS",
     "api_root",
+    "decode",
     "encode",
     "lease_body",
     "read_response",
@@ -76,6 +76,33 @@ def encode(body: dict[str, Any]) -> bytes:
         raise TypeError(f"The request body is not JSON-serializable: {_why(exc)}") from None
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _unique_names(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise ValueError("an object repeats a name")
+    return obj
+
+
+_decoder = json.JSONDecoder(parse_constant=_no_constant, object_pairs_hook=_unique_names)
+
+
+def decode(text: bytes | str) -> Any:
+    """Strict JSON, as the service reads it: no NaN or infinities, no repeated names;
+    raises ``ValueError`` for anything else (too deep included).
+
+    Python's ``json``, not orjson: orjson reads an integer past 64 bits as a float,
+    so a result the service stores and returns exactly (``10**30 + 1``) would come
+    back as ``1e+30``."""
+    try:
+        return _decoder.decode(text.decode("utf-8") if isinstance(text, bytes) else text)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 def _why(exc: Exception) -> str:
     """What is wrong, without the value itself (which may be a secret)."""
     if isinstance(exc, UnicodeEncodeError):
@@ -104,8 +131,8 @@ def _retry_after(response: httpx.Response) -> int | None:
 def read_response(response: httpx.Response) -> dict[str, Any]:
     """The body of a successful response, or raise the error the response describes."""
     try:
-        parsed = orjson.loads(response.content)
-    except orjson.JSONDecodeError:
+        parsed = decode(response.content)
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         parsed = None
     body: dict[str, Any] | None = parsed if isinstance(parsed, dict) else None
     if response.is_success and body is not None and body.get("ok") is True:
