@@ -201,7 +201,14 @@ def test_retryable_refusals_exit_14_and_bad_requests_13(error: LeaseError, code:
     ("args", "message"),
     [
         (["acquire"], "the key is required"),
-        (["acquire", "--key", "k", "--key-env", "K"], "one way only"),
+        (
+            ["acquire", "--key", "k", "--key-env", "K"],
+            "one way only (--key, --key-env, --key-file)",
+        ),
+        (
+            ["acquire", "--key", "k", "--namespace-env", "N", "--namespace-file", "ns"],
+            "one way only (--namespace-env, --namespace-file)",  # there is no --namespace
+        ),
         (["acquire", "--key-env", "UNSET"], "UNSET is empty"),
         (["acquire", "--key", "k", "--namespace-file", "/nonexistent/ns"], "cannot read"),
         (["renew", "--key", "k"], "owner-token is required"),

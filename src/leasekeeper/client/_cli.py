@@ -269,7 +269,9 @@ def _secret(
     path = options.get(f"{name.replace('-', '_')}_file")
     given = [v for v in (plain, env_name, path) if v is not None]
     if len(given) > 1:
-        raise click.UsageError(f"give the {name} one way only (--{name}, -env or -file)")
+        ways = [f"--{name}"] if name.replace("-", "_") in options else []
+        ways += [f"--{name}-env", f"--{name}-file"]
+        raise click.UsageError(f"give the {name} one way only ({', '.join(ways)})")
     if plain is not None:
         return str(plain)
     if env_name is not None:
