@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import secrets
+import select
 import socket
 import subprocess
 import sys
@@ -954,3 +955,116 @@ async def test_stdio_against_leasekeeper_mcp(tmp_path: Path) -> None:
     text = log.read_text()
     assert "MCP on stdio" in text
     assert_no_secrets(text, secrets)
+
+
+class _StdioPeer:
+    """``leasekeeper mcp`` driven line by line, raw bytes in and JSON lines out."""
+
+    def __init__(self, db: Path, errlog: Any) -> None:
+        self.process = subprocess.Popen(
+            [str(LEASEKEEPER), "mcp", "--store", f"sqlite:///{db}"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errlog,
+        )
+
+    def __enter__(self) -> _StdioPeer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.process.poll() is None:  # a failed assertion left it running
+            self.process.kill()
+            self.process.wait()
+
+    def send(self, line: bytes) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(line + b"\n")
+        self.process.stdin.flush()
+
+    def answer(self, line: bytes) -> dict[str, Any]:
+        """Send ``line`` and read the one answer it gets (within FLOW_TIMEOUT seconds)."""
+        self.send(line)
+        assert self.process.stdout is not None
+        ready, _, _ = select.select([self.process.stdout], [], [], FLOW_TIMEOUT)
+        assert ready, f"no answer to {line[:60]!r}"
+        answer = json.loads(self.process.stdout.readline())
+        assert isinstance(answer, dict)
+        return answer
+
+    def call(self, request_id: int, tool: str, arguments: bytes) -> bytes:
+        return (
+            b'{"jsonrpc":"2.0","id":%d,"method":"tools/call","params":{"name":"%s",'
+            % (
+                request_id,
+                tool.encode(),
+            )
+            + b'"arguments":%s}}' % arguments
+        )
+
+    def close(self) -> int:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.close()
+        try:
+            return self.process.wait(FLOW_TIMEOUT)
+        finally:
+            self.process.stdout.close()
+
+
+@pytest.mark.slow
+def test_stdio_refuses_what_the_api_refuses_and_answers_every_line(tmp_path: Path) -> None:
+    """Over stdio each line is read as ``/mcp`` reads a body: a repeated name, bytes that
+    are not UTF-8, a lone surrogate, NaN, deep nesting and a 5,000-digit number get the
+    parse error (-32700), a message that is not JSON-RPC or is over 64 KiB the
+    invalid-request error (-32600), with the request's id where one can be read; none of
+    them changes anything, and the peer is never left waiting (the SDK alone took the
+    last of a repeated name, made bad bytes U+FFFD, and answered the rest with nothing)."""
+    with (
+        (tmp_path / "stdio.log").open("w") as errlog,
+        _StdioPeer(tmp_path / "s.db", errlog) as peer,
+    ):
+        hello = peer.answer(
+            b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":'
+            b'"2025-06-18","capabilities":{},"clientInfo":{"name":"t","version":"1"}}}'
+        )
+        assert "result" in hello
+        peer.send(b'{"jsonrpc":"2.0","method":"notifications/initialized"}')
+        minted = peer.answer(peer.call(2, "create_lease_namespace", b"{}"))
+        ns = minted["result"]["structuredContent"]["namespace"].encode()
+
+        def acquire(request_id: int, rest: bytes) -> bytes:
+            return peer.call(request_id, "acquire_lease", b'{"namespace":"%s",%s}' % (ns, rest))
+
+        parse, invalid = -32700, -32600
+        refused = [
+            (acquire(3, b'"key":"first","key":"second"'), 3, parse, "duplicate field name"),
+            (acquire(4, b'"key":"\xff"'), 4, parse, "not valid UTF-8"),
+            (acquire(5, b'"key":"\\ud800"'), 5, parse, "lone surrogate"),
+            (acquire(6, b'"key":"k","ttl_seconds":NaN'), 6, parse, "NaN is not a JSON number"),
+            (acquire(7, b'"key":"k","ttl_seconds":' + b"9" * 5000), None, parse, "4300 digits"),
+            (b'{"x":' + b"[" * 3000 + b"]" * 3000 + b"}", None, parse, "deeper than 64"),
+            (b"garbage", None, parse, "Expecting value"),
+            (b'{"jsonrpc":"2.0","id":8,"method":"ping"} xyz', None, parse, "Extra data"),
+            (b'{"jsonrpc":"2.0","id":9}', 9, invalid, "not a valid JSON-RPC request"),
+            (
+                b'{"jsonrpc":"2.0","id":10,"method":"ping","pad":"' + b"a" * 70_000 + b'"}',
+                None,
+                invalid,
+                "larger than 65536 bytes",
+            ),
+        ]
+        for line, request_id, code, why in refused:
+            answer = peer.answer(line)
+            assert answer["id"] == request_id and "result" not in answer, answer
+            assert answer["error"]["code"] == code and why in answer["error"]["message"], answer
+        peer.send(b"   ")  # a blank line is skipped, unanswered: the next answer is the ping's
+        assert peer.answer(b'{"jsonrpc":"2.0","id":11,"method":"ping"}') == {
+            "jsonrpc": "2.0",
+            "id": 11,
+            "result": {},
+        }
+        # Nothing refused took a lease: the first grant in this store is this one.
+        for request_id, key in ((12, b"first"), (13, b"second")):
+            granted = peer.answer(acquire(request_id, b'"key":"%s"' % key))
+            assert granted["result"]["structuredContent"]["status"] == "held"
+            assert granted["result"]["structuredContent"]["fencing_token"] == request_id - 11
+        assert peer.close() == 0

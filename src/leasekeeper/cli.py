@@ -225,7 +225,11 @@ def mcp_command(store: str | None) -> None:
     log.info("leasekeeper MCP on stdio (store scheme %s)", settings.store.partition(":")[0])
     try:
         asyncio.run(
-            serve_stdio(service, cleanup_interval_seconds=settings.cleanup_interval_seconds)
+            serve_stdio(
+                service,
+                cleanup_interval_seconds=settings.cleanup_interval_seconds,
+                max_message_bytes=settings.max_body_bytes,
+            )
         )
     except KeyboardInterrupt:
         pass

@@ -40,10 +40,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import logging
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, BinaryIO, Final, cast
 
 import anyio
 import orjson
@@ -56,13 +58,19 @@ from mcp.server.streamable_http_manager import (
 )
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
+from mcp.shared.message import SessionMessage
 from starlette.requests import HTTPConnection
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from leasekeeper._core.secrets import NAMESPACE_PREFIX, OWNER_PREFIX
-from leasekeeper._core.validation import MAX_RESULT_BYTES, check_tree, check_unique_names
+from leasekeeper._core.validation import (
+    MAX_RESULT_BYTES,
+    check_tree,
+    check_unique_names,
+    parse_json_object,
+)
 from leasekeeper._errors import (
     InternalError,
     InvalidRequest,
@@ -83,6 +91,7 @@ __all__ = [
     "MCP_PATH",
     "TOOL_OPERATIONS",
     "StreamableHttpMount",
+    "StrictStdin",
     "call_lease_tool",
     "create_mcp_server",
     "lease_tools",
@@ -649,23 +658,139 @@ def _safe_error_body(body: bytes) -> bytes | None:
     return None
 
 
-async def serve_stdio(service: LeaseService, *, cleanup_interval_seconds: float | None) -> None:
+async def serve_stdio(
+    service: LeaseService,
+    *,
+    cleanup_interval_seconds: float | None,
+    max_message_bytes: int = Settings().max_body_bytes,
+) -> None:
     """Serve MCP over this process's stdin and stdout until stdin closes.
 
     Opens and closes ``service``. With ``cleanup_interval_seconds`` the store's
     finished lifecycles are deleted that often, as ``leasekeeper serve`` does.
+    Each line of stdin is checked as ``/mcp`` checks a body (``StrictStdin``), and
+    one longer than ``max_message_bytes`` is refused as a body that size would be.
     """
     server = create_mcp_server(service)
+    stdin = StrictStdin(sys.stdin.buffer, max_message_bytes)
     await service.start()
     try:
         async with anyio.create_task_group() as tasks:
             if cleanup_interval_seconds is not None:
                 tasks.start_soon(_cleanup_every, service, cleanup_interval_seconds)
-            async with stdio_server() as (read_stream, write_stream):
+            # stdin is duck-typed: the SDK only iterates it, line by line, as text.
+            lines = cast("anyio.AsyncFile[str]", stdin)
+            async with stdio_server(stdin=lines) as (read_stream, write_stream):
+                stdin.answer_through(write_stream)
                 await server.run(read_stream, write_stream, server.create_initialization_options())
             tasks.cancel_scope.cancel()
     finally:
         await service.stop()
+
+
+class StrictStdin:
+    """What the SDK's stdio transport reads instead of stdin: lines checked as ``/mcp``
+    checks a body, and the ones refused answered here, never handed on.
+
+    The SDK reads stdin with ``errors="replace"`` (two different malformed byte
+    sequences became one key), keeps the last of a repeated name (``"key":"a",
+    "key":"b"`` took a lease on ``b``) and answers nothing to a line it cannot
+    parse or validate, so its peer waited for ever. Here a line that is not strict
+    JSON by the API's rules (UTF-8, no repeated name, no NaN, no lone surrogate,
+    nesting at most 64 levels) gets the JSON-RPC parse error (-32700), as over
+    ``/mcp``; one that is JSON but not a JSON-RPC message, or is longer than
+    ``max_bytes``, the invalid-request error (-32600). Each answer carries the
+    message's ``id`` where a lenient reading finds exactly one, so the peer's call
+    fails at once, and ``null`` otherwise, as JSON-RPC says. Blank lines are skipped.
+    """
+
+    def __init__(self, source: BinaryIO, max_bytes: int) -> None:
+        self._source = source
+        self._max_bytes = max_bytes
+        self._answers: Any = None
+        self._ready = anyio.Event()
+
+    def answer_through(self, write_stream: Any) -> None:
+        """Send refusals where the server sends its messages (the SDK's write stream)."""
+        self._answers = write_stream.clone()
+        self._ready.set()
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._lines()
+
+    async def _lines(self) -> AsyncIterator[str]:
+        try:
+            while True:
+                line = await anyio.to_thread.run_sync(
+                    _read_line, self._source, self._max_bytes, abandon_on_cancel=True
+                )
+                if line == b"":
+                    return
+                if line is None:
+                    sentence = f"the message is larger than {self._max_bytes} bytes"
+                    await self._refuse(None, types.INVALID_REQUEST, f"Invalid request: {sentence}")
+                    continue
+                if not line.strip():
+                    continue
+                try:
+                    message = parse_json_object(line)
+                except InvalidRequest as error:
+                    sentence = f"Parse error: {error.error}"
+                    await self._refuse(_lenient_id(line), types.PARSE_ERROR, sentence)
+                    continue
+                try:
+                    types.jsonrpc_message_adapter.validate_python(message, by_name=False)
+                except ValueError:  # pydantic's ValidationError; its text quotes the input
+                    await self._refuse(_id_of(message), types.INVALID_REQUEST, _NOT_JSON_RPC)
+                    continue
+                yield line.decode("utf-8")
+        finally:
+            if self._answers is not None:
+                self._answers.close()
+
+    async def _refuse(self, request_id: int | str | None, code: int, message: str) -> None:
+        await self._ready.wait()
+        error = types.ErrorData(code=code, message=message)
+        reply = types.JSONRPCError(jsonrpc="2.0", id=request_id, error=error)
+        await self._answers.send(SessionMessage(reply))
+
+
+def _read_line(source: BinaryIO, max_bytes: int) -> bytes | None:
+    """The next line of ``source`` (``b""`` at its end), or None for a line longer than
+    ``max_bytes`` (without its newline), which is read to its end and dropped."""
+    line = source.readline(max_bytes + 1)
+    if len(line) <= max_bytes or line.endswith(b"\n"):
+        return line
+    while (rest := source.readline(65_536)) and not rest.endswith(b"\n"):
+        pass
+    return None
+
+
+def _id_of(message: Mapping[str, Any]) -> int | str | None:
+    """A message's ``id`` when it is one JSON-RPC allows (an integer or a string)."""
+    value = message.get("id")
+    return value if type(value) is int or type(value) is str else None
+
+
+def _lenient_id(line: bytes) -> int | str | None:
+    """The ``id`` of a line refused as not strict JSON, where Python's lenient reading
+    of it finds exactly one at its top level (else None)."""
+    objects: list[list[tuple[str, Any]]] = []
+
+    def keep(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        objects.append(pairs)
+        return dict(pairs)
+
+    try:
+        top = json.loads(line.decode("utf-8", "replace"), object_pairs_hook=keep)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(top, dict):
+        return None
+    ids = [value for name, value in objects[-1] if name == "id"]  # the top level's, made last
+    if len(ids) != 1 or (type(ids[0]) is str and "\ufffd" in ids[0]):
+        return None
+    return _id_of({"id": ids[0]})
 
 
 async def _cleanup_every(service: LeaseService, seconds: float) -> None:
