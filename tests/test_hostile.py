@@ -43,15 +43,20 @@ def take(api: Api, ns: str, key: str = KEY, **extra: Any) -> dict[str, Any]:
 # -- strict JSON -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("body", [b"\x0c", b"\x0b", b"\x0c{}", b"\x1c", b"\xa0"])
+@pytest.mark.parametrize(
+    "body", [b"\x0c", b"\x0b", b"\x0c{}", b"\x1c", b"\xa0", b"\xef\xbb\xbf\xef\xbb\xbf"]
+)
 def test_a_mint_body_of_non_json_whitespace_is_invalid(api: Api, body: bytes) -> None:
     """Only JSON's whitespace makes an empty mint body; \\x0b, \\x0c and others are not JSON."""
     invalid(api.post("/lease/namespace", content=body))
 
 
-@pytest.mark.parametrize("body", [b"", b" \r\n\t", b"{}", b" {} \n"])
+@pytest.mark.parametrize(
+    "body", [b"", b" \r\n\t", b"{}", b" {} \n", b"\xef\xbb\xbf", b"\xef\xbb\xbf \n"]
+)
 def test_a_mint_body_may_be_empty_or_blank(api: Api, body: bytes) -> None:
-    """An empty body, JSON whitespace or {} mints (curl -X POST without -d works)."""
+    """An empty body, JSON whitespace or {} mints (curl -X POST without -d works); a
+    byte-order mark before any of them is ignored, as before any body."""
     assert api.post("/lease/namespace", content=body).status_code == 201
 
 

@@ -63,6 +63,7 @@ access_log = logging.getLogger("leasekeeper.access")
 BASE_PATH = "/services/v1"
 _JSON = "application/json"
 _JSON_WHITESPACE = b" \t\r\n"
+_BOM = "\ufeff".encode()
 _OWN_HEADERS = (b"cache-control", b"x-content-type-options", b"x-request-id")
 _JSON_HEADER = (b"content-type", b"application/json")
 _SECURITY_HEADERS = ((b"cache-control", b"no-store"), (b"x-content-type-options", b"nosniff"))
@@ -316,8 +317,9 @@ class LeaseEndpoint:
         raw = await read_body(scope, receive, self.max_body, self.body_timeout, self._slow_body)
         state["body_read"] = True
         # Only JSON's own whitespace makes an empty body: bytes.strip() would also
-        # drop \x0b and \x0c, which are not JSON and must be refused.
-        if self.operation == "namespace" and not raw.strip(_JSON_WHITESPACE):
+        # drop \x0b and \x0c, which are not JSON and must be refused. A byte-order
+        # mark before it is ignored, as before any body (parse_json_object).
+        if self.operation == "namespace" and not raw.removeprefix(_BOM).strip(_JSON_WHITESPACE):
             data: dict[str, Any] = {}
         else:
             data = parse_json_object(raw)
