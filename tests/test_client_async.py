@@ -203,6 +203,9 @@ def test_async_lease_on_a_completed_key(run_app: Callable[..., None], fake_time:
         async with client.lease(namespace, KEY) as again:
             assert again.completed
             assert again.result == {"ok": 1}
+            assert again.completion is not None and again.completion.fencing_token == 1
+            with pytest.raises(LeaseLost, match="must not write"):
+                _ = again.fencing_token
             assert again.renewer is None
 
     run_app(scenario)

@@ -350,7 +350,13 @@ def test_lease_on_a_completed_key_returns_the_result(client: LeaseClient, namesp
     with client.lease(namespace, KEY, fingerprint="f") as again:
         assert again.completed
         assert again.result == {"n": 1, "password": "[redacted]"}
-        assert again.fencing_token == lease.fencing_token
+        assert again.completion is not None
+        assert again.completion.fencing_token == lease.fencing_token == 1
+        # This worker never held the key: no fence to write with (a FenceGuard would
+        # take the completer's, an equal one), as check() says.
+        with pytest.raises(LeaseLost, match="must not write"):
+            _ = again.fencing_token
+        assert repr(again) == "<HeldLease completed fencing_token=1>"
         assert again.renewer is None
         with pytest.raises(LeaseLost, match="completed"):
             again.check()

@@ -37,7 +37,7 @@ from leasekeeper.client._results import (
     parse_lease,
     parse_released,
 )
-from leasekeeper.client._sync import _WAITABLE, OnWait, Wait
+from leasekeeper.client._sync import _NOT_OWNED, _WAITABLE, OnWait, Wait
 from leasekeeper.client._timing import RenewalPlan, acquire_delay, as_seconds
 
 __all__ = ["AsyncHeldLease", "AsyncLeaseClient"]
@@ -311,17 +311,24 @@ class AsyncHeldLease:
             if self._entered
             else "not entered"
         )
-        fence = self.fencing_token if self._entered else None
+        grant, completion = self.grant, self.completion
+        fence = grant.fencing_token if grant else completion.fencing_token if completion else None
         return f"<AsyncHeldLease {state} fencing_token={fence}>"
 
     @property
     def fencing_token(self) -> int:
-        """The fence to send with writes (for a completed key: the completer's)."""
-        if self.completion is not None:
-            return self.completion.fencing_token
-        if self.grant is None:
-            raise RuntimeError("the lease has not been acquired; use it in an async with block")
-        return self.grant.fencing_token
+        """The fence to send with writes: this owner's, also after it completed.
+
+        A key found completed on entry has none for this worker, which never held
+        it and must not write: ``LeaseLost``, as from ``check()``, so that a write
+        guarded by the fence (``FenceGuard``) cannot pass with the completer's.
+        That one is ``completion.fencing_token``.
+        """
+        if self.grant is not None:
+            return self.grant.fencing_token
+        if self.completed:
+            raise LeaseLost(_NOT_OWNED)
+        raise RuntimeError("the lease has not been acquired; use it in an async with block")
 
     async def __aenter__(self) -> AsyncHeldLease:
         if self._entered:

@@ -53,6 +53,10 @@ Wait = float | timedelta | None
 
 #: What ``acquire`` waits through when it may wait: held keys and passing faults.
 _WAITABLE = (LeaseHeld, RateLimited, ServiceUnavailable)
+_NOT_OWNED = (
+    "The work on this key was completed before this lease was entered: "
+    "it holds no fencing token and must not write"
+)
 
 
 class LeaseClient:
@@ -351,17 +355,24 @@ class HeldLease:
             if self._entered
             else "not entered"
         )
-        fence = self.fencing_token if self._entered else None
+        grant, completion = self.grant, self.completion
+        fence = grant.fencing_token if grant else completion.fencing_token if completion else None
         return f"<HeldLease {state} fencing_token={fence}>"
 
     @property
     def fencing_token(self) -> int:
-        """The fence to send with writes (for a completed key: the completer's)."""
-        if self.completion is not None:
-            return self.completion.fencing_token
-        if self.grant is None:
-            raise RuntimeError("the lease has not been acquired; use it in a with block")
-        return self.grant.fencing_token
+        """The fence to send with writes: this owner's, also after it completed.
+
+        A key found completed on entry has none for this worker, which never held
+        it and must not write: ``LeaseLost``, as from ``check()``, so that a write
+        guarded by the fence (``FenceGuard``) cannot pass with the completer's.
+        That one is ``completion.fencing_token``.
+        """
+        if self.grant is not None:
+            return self.grant.fencing_token
+        if self.completed:
+            raise LeaseLost(_NOT_OWNED)
+        raise RuntimeError("the lease has not been acquired; use it in a with block")
 
     def __enter__(self) -> HeldLease:
         if self._entered:
