@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
 from leasekeeper import (
+    AsyncLeaseClient,
     FingerprintConflict,
     InternalError,
     InvalidRequest,
+    LeaseClient,
     LeaseConflict,
     LeaseError,
     LeaseHeld,
@@ -121,3 +125,43 @@ def test_a_malformed_body_does_not_break_the_mapping() -> None:
     assert isinstance(error, LeaseHeld)
     assert error.retry_after_seconds == 1
     assert error.fencing_token == 0
+
+
+def _undecodable(request: httpx.Request) -> httpx.Response:
+    """A proxy's error page whose Content-Encoding says gzip and whose body is not."""
+    return httpx.Response(502, headers={"content-encoding": "gzip"}, content=b"<html>bad")
+
+
+def test_an_answer_that_cannot_be_decoded_is_unreachable_in_both_clients() -> None:
+    """httpx's DecodingError (not a TransportError) still becomes the tree's
+    ServiceUnreachable, which waiting retries, never an httpx exception."""
+    with (
+        LeaseClient("http://lk.test", transport=httpx.MockTransport(_undecodable)) as client,
+        pytest.raises(ServiceUnreachable, match="DecodingError"),
+    ):
+        client.create_namespace()
+
+    async def scenario() -> None:
+        transport = httpx.MockTransport(_undecodable)
+        async with AsyncLeaseClient("http://lk.test", transport=transport) as client:
+            with pytest.raises(ServiceUnreachable, match="DecodingError"):
+                await client.create_namespace()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "url", ["127.0.0.1:8787", "user:s3cret@lk.test", "ftp://lk.test", "http://", "::"]
+)
+def test_a_service_url_without_http_or_a_host_is_refused_at_once(url: str) -> None:
+    """Not a request that fails as unreachable, which ``once`` would retry for ever."""
+    with pytest.raises(ValueError, match="http:// or https://") as sync_refused:
+        LeaseClient(url)
+    with pytest.raises(ValueError, match="http:// or https://"):
+        AsyncLeaseClient(url)
+    # One fixed sentence: the URL, which may hold credentials, is not repeated.
+    assert str(sync_refused.value) == (
+        "the service URL must be http:// or https:// with a host, as http://127.0.0.1:8787"
+    )
+    for good in ("http://127.0.0.1:8787", "https://lk.test/services/v1/"):
+        LeaseClient(good).close()

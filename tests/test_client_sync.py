@@ -342,6 +342,26 @@ def test_lease_block_that_raises_still_releases(client: LeaseClient, namespace: 
     assert isinstance(client.acquire(namespace, KEY), Lease)
 
 
+def test_a_release_that_fails_at_exit_is_logged_and_the_blocks_error_goes_on(
+    api: Any, fake_time: FakeTime, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The release at exit on a client closed meanwhile (httpx: RuntimeError) is
+    logged; the block's own exception is what the caller sees."""
+    client = make_client(api, fake_time)
+
+    def block() -> None:
+        with client.lease(namespace, KEY):
+            client.close()
+            raise ValueError("the block's own")
+
+    with (
+        caplog.at_level(logging.WARNING, logger="leasekeeper.client"),
+        pytest.raises(ValueError, match="the block's own"),
+    ):
+        block()
+    assert "could not release the lease (RuntimeError)" in caplog.text
+
+
 def test_lease_on_a_completed_key_returns_the_result(client: LeaseClient, namespace: str) -> None:
     """A completed key gives completed=True and the stored result; nothing renews or releases."""
     with client.lease(namespace, KEY, fingerprint="f") as lease:

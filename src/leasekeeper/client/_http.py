@@ -23,6 +23,7 @@ __all__ = [
     "api_root",
     "decode",
     "encode",
+    "http_root",
     "lease_body",
     "read_response",
     "route_prefix",
@@ -43,6 +44,26 @@ def api_root(base_url: str) -> str:
     """The API root for a server URL given with or without ``/services/v1``."""
     url = base_url.rstrip("/")
     return url if url.endswith(BASE_PATH) else url + BASE_PATH
+
+
+def http_root(base_url: str | None) -> str:
+    """The API root of ``base_url`` (by default ``DEFAULT_URL``) for a client of our own.
+
+    ``ValueError`` unless it is an ``http://`` or ``https://`` URL with a host: one
+    without its scheme (``127.0.0.1:8787``) would fail every request as unreachable,
+    which a caller waiting for ever (``once``) would retry for ever. The message does
+    not repeat the URL, which may hold credentials.
+    """
+    root = api_root(base_url or DEFAULT_URL)
+    try:
+        url = httpx.URL(root)
+    except httpx.InvalidURL:
+        url = None
+    if url is None or url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(
+            f"the service URL must be http:// or https:// with a host, as {DEFAULT_URL}"
+        )
+    return root
 
 
 def route_prefix(base_url: str | None, client: Any) -> str:
@@ -142,6 +163,7 @@ def read_response(response: httpx.Response) -> dict[str, Any]:
     )
 
 
-def unreachable(exc: httpx.TransportError) -> LeaseError:
-    """The error for a request that got no answer (the URL stays out of the message)."""
+def unreachable(exc: httpx.RequestError) -> LeaseError:
+    """The error for a request that got no answer, or none that could be read (a body
+    that does not decode, endless redirects); the URL stays out of the message."""
     return ServiceUnreachable(f"Could not reach the lease service ({type(exc).__name__})")

@@ -18,10 +18,9 @@ import httpx
 from leasekeeper._errors import LeaseError, LeaseHeld, LeaseLost, RateLimited, ServiceUnavailable
 from leasekeeper.client._http import (
     DEFAULT_TIMEOUT,
-    DEFAULT_URL,
     HEADERS,
-    api_root,
     encode,
+    http_root,
     lease_body,
     read_response,
     route_prefix,
@@ -89,7 +88,7 @@ class LeaseClient:
             raise TypeError("pass either client= or transport=, not both")
         if client is None:
             self._http = httpx.Client(
-                base_url=api_root(base_url or DEFAULT_URL), transport=transport, timeout=timeout
+                base_url=http_root(base_url), transport=transport, timeout=timeout
             )
             self._prefix = ""
             self._owns_http = True
@@ -129,7 +128,7 @@ class LeaseClient:
                 response = self._http.post(
                     self._prefix + route, content=content, headers=HEADERS, timeout=request_seconds
                 )
-        except httpx.TransportError as exc:
+        except httpx.RequestError as exc:  # no answer, or none that could be read
             raise unreachable(exc) from exc
         return read_response(response)
 
@@ -418,6 +417,11 @@ class HeldLease:
                 log.warning(
                     "could not release the lease (%s); it expires by itself after its TTL",
                     error.error,
+                )
+            except Exception as exc:  # a closed client: the block's own exception goes on
+                log.warning(
+                    "could not release the lease (%s); it expires by itself after its TTL",
+                    type(exc).__name__,
                 )
 
     def check(self) -> None:
