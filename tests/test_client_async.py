@@ -15,6 +15,7 @@ from leasekeeper import (
     AsyncLeaseClient,
     FakeClock,
     FingerprintConflict,
+    LeaseError,
     LeaseHeld,
     LeaseLost,
     LeaseService,
@@ -134,6 +135,27 @@ def test_async_acquire_waits_with_backoff(
         assert isinstance(second, Lease)
         assert second.fencing_token > first.fencing_token
         assert fake_time.waits == [0.25, 0.5, 1.0, 1.0]
+
+    run_app(scenario)
+
+
+def test_async_on_wait_may_be_a_coroutine_function(
+    run_app: Callable[..., None], fake_time: FakeTime
+) -> None:
+    """A coroutine on_wait is awaited before each pause, as a coroutine on_lost is."""
+    told: list[tuple[str, float]] = []
+
+    async def on_wait(error: LeaseError, delay: float) -> None:
+        await asyncio.sleep(0)
+        told.append((error.status, delay))
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        client = fake_client(transport, fake_time)
+        namespace = await client.create_namespace()
+        await client.acquire(namespace, KEY, ttl=1)
+        async with client.lease(namespace, KEY, wait=10, on_wait=on_wait) as lease:
+            lease.check()
+        assert told == [("held", 0.25), ("held", 0.5), ("held", 1.0)]
 
     run_app(scenario)
 

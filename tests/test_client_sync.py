@@ -7,7 +7,7 @@ import logging
 import math
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -25,6 +25,7 @@ from leasekeeper import (
     NotFound,
     PayloadTooLarge,
     RateLimited,
+    RequestTimeout,
     ServiceUnavailable,
     ServiceUnreachable,
 )
@@ -302,6 +303,43 @@ def test_acquire_waits_at_least_retry_after_for_a_limit_or_an_outage(
         client.acquire(None, "k" * 40, wait=10)
     assert fake_time.waits[:3] == [3, 3, 3]
     assert sum(fake_time.waits) == pytest.approx(10.0)
+
+
+def _timeouts(count: int, path: str) -> Callable[[httpx.Request], httpx.Response | None]:
+    """A fault: the first ``count`` requests to ``path`` get the service's 408."""
+    left = [count]
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        if left[0] and request.url.path.endswith(path):
+            left[0] -= 1
+            body = {"ok": False, "status": "timeout", "error": "not received in time"}
+            return httpx.Response(408, json=body)
+        return None
+
+    return fault
+
+
+def test_acquire_waits_through_a_408(api: Any, fake_time: FakeTime, namespace: str) -> None:
+    """A 408 (the service did not get the request in time) is retried as an outage is."""
+    client = make_client(api, fake_time, fault=_timeouts(2, "/lease"))
+    assert isinstance(client.acquire(namespace, KEY, wait=10), Lease)
+    assert fake_time.waits == [0.25, 0.5]
+    with pytest.raises(RequestTimeout):
+        make_client(api, fake_time, fault=_timeouts(1, "/lease")).acquire(namespace, "other")
+
+
+def test_a_408_on_a_renewal_is_retried_not_lost(
+    api: Any, fake_time: FakeTime, namespace: str
+) -> None:
+    """One renewal answered 408 is tried again soon; the lease is not lost."""
+    client = make_client(api, fake_time, fault=_timeouts(1, "/renew"))
+    with client.lease(namespace, KEY, ttl=30) as lease:
+        worker = worker_of(lease)
+        assert worker.step()  # the 408
+        assert worker.plan.failures == 1 and not lease.lost.is_set()
+        assert worker.step()  # renewed
+        assert worker.renewals == 1 and worker.plan.failures == 0
+        lease.check()
 
 
 def test_acquire_raises_lease_held_when_the_wait_is_over(

@@ -133,7 +133,8 @@ class AsyncLeaseClient:
         wait: Wait = None,
         on_wait: OnWait | None = None,
     ) -> Lease | Completed:
-        """Take the lease on ``key``, waiting as ``LeaseClient.acquire`` does."""
+        """Take the lease on ``key``, waiting as ``LeaseClient.acquire`` does;
+        ``on_wait`` may be a plain function or a coroutine function."""
         return (await self._acquire(namespace, key, ttl, fingerprint, wait, on_wait))[0]
 
     async def _acquire(
@@ -155,7 +156,7 @@ class AsyncLeaseClient:
             except _WAITABLE as error:
                 delay = acquire_delay(
                     attempt,
-                    error.retry_after,
+                    error.retry_after or 0,
                     deadline - self._monotonic(),
                     self._random(),
                     held=isinstance(error, LeaseHeld),
@@ -163,7 +164,9 @@ class AsyncLeaseClient:
                 if delay is None:
                     raise
                 if on_wait is not None:
-                    on_wait(error, delay)
+                    told = on_wait(error, delay)
+                    if inspect.isawaitable(told):  # a coroutine function, as on_lost may be
+                        await told
                 await self._signal_factory().wait(delay)
                 attempt += 1
 

@@ -9,7 +9,8 @@ reaches the lease's ``_lost`` (which sets ``lease.lost``, logs a WARNING and cal
 
     renew ok ──────────> next turn at sent_at + ttl/3
     lost (409) ────────> lease lost, worker ends
-    unavailable/429/5xx > retry soon; past the local expiry: lease lost
+    503/5xx/429/408 ───> retry soon; past the local expiry: lease lost
+    other refusals ────> lease lost (nothing a retry would change)
     granted < asked ───> lifecycle end: no more renewals; lost at the expiry
     stop() ────────────> worker ends, touches the lease no more
 
@@ -26,7 +27,7 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
-from leasekeeper._errors import LeaseError, LeaseLost, RateLimited, ServerError
+from leasekeeper._errors import LeaseError, LeaseLost, RateLimited, RequestTimeout, ServerError
 from leasekeeper.client._timing import MIN_RETRY_SECONDS, RenewalPlan
 
 __all__ = [
@@ -39,6 +40,10 @@ __all__ = [
     "ThreadLike",
     "Waiter",
 ]
+
+#: Renewal failures tried again until the local expiry: the service is down, busy or
+#: asked us to slow down, or it did not receive our request in time (408).
+_RETRIED = (ServerError, RateLimited, RequestTimeout)
 
 log = logging.getLogger("leasekeeper.client")
 
@@ -245,7 +250,7 @@ class RenewalWorker:
             if not self.stopped:
                 lease._lost(error)
             return False
-        except (ServerError, RateLimited) as error:
+        except _RETRIED as error:
             if self.stopped:
                 return False
             later = self._monotonic()
@@ -342,7 +347,7 @@ class AsyncRenewalWorker:
             if not self.stopped:
                 await lease._lost(error)
             return False
-        except (ServerError, RateLimited) as error:
+        except _RETRIED as error:
             if self.stopped:
                 return False
             later = self._monotonic()

@@ -15,7 +15,14 @@ from typing import Any, ParamSpec
 
 import httpx
 
-from leasekeeper._errors import LeaseError, LeaseHeld, LeaseLost, RateLimited, ServiceUnavailable
+from leasekeeper._errors import (
+    LeaseError,
+    LeaseHeld,
+    LeaseLost,
+    RateLimited,
+    RequestTimeout,
+    ServiceUnavailable,
+)
 from leasekeeper.client._http import (
     DEFAULT_TIMEOUT,
     HEADERS,
@@ -51,7 +58,9 @@ OnLost = Callable[[LeaseLost], object]
 Wait = float | timedelta | None
 
 #: What ``acquire`` waits through when it may wait: held keys and passing faults.
-_WAITABLE = (LeaseHeld, RateLimited, ServiceUnavailable)
+#: What ``wait=`` retries: a held key, a busy or unavailable service, a request the
+#: service did not receive in time (408).
+_WAITABLE = (LeaseHeld, RateLimited, ServiceUnavailable, RequestTimeout)
 _NOT_OWNED = (
     "The work on this key was completed before this lease was entered: "
     "it holds no fencing token and must not write"
@@ -176,7 +185,7 @@ class LeaseClient:
             except _WAITABLE as error:
                 delay = acquire_delay(
                     attempt,
-                    error.retry_after,
+                    error.retry_after or 0,
                     deadline - self._monotonic(),
                     self._random(),
                     held=isinstance(error, LeaseHeld),

@@ -46,9 +46,11 @@ def acquire_delay(
     The wait doubles from ``FIRST_POLL_SECONDS``, is never longer than
     ``MAX_POLL_SECONDS``, and gets up to 20 % more at random (``rand`` in [0, 1))
     so that workers told the same ``Retry-After`` do not come back together. For a
-    ``held`` key it is also never longer than the service's ``retry_after`` (the
-    lease's expiry): a holder may release or complete early, and jitter only
-    lengthens, so the wait never comes back before the expiry. A rate limit or an
+    ``held`` key the wait before jitter is also never longer than the service's
+    ``retry_after`` (the lease's expiry), so a holder's early release or completion
+    is seen within 30 s; jitter only lengthens it (to at most 1.2 times
+    ``retry_after``), so waiters told the same expiry come back spread out after
+    it rather than all at once on it. A rate limit or an
     unavailable service (``held=False``) means what HTTP's ``Retry-After`` means:
     the wait is at least ``retry_after``, so waiting workers do not press a service
     that asked them to hold off. The last attempt lands on the deadline::
