@@ -400,6 +400,32 @@ def test_a_release_that_fails_at_exit_is_logged_and_the_blocks_error_goes_on(
     assert "could not release the lease (RuntimeError)" in caplog.text
 
 
+@pytest.mark.parametrize("ttl", [None, 2.5, True, "30"])
+def test_a_ttl_that_is_not_an_int_is_refused_before_acquiring(
+    client: LeaseClient, namespace: str, ttl: Any
+) -> None:
+    """Not an acquire that succeeds and then fails to plan its renewals, holding the key."""
+    with pytest.raises(TypeError, match="ttl must be"):
+        client.lease(namespace, KEY, ttl=ttl)
+    assert isinstance(client.acquire(namespace, KEY), Lease)
+
+
+class _NoThreads(ManualThread):
+    def start(self) -> None:
+        raise RuntimeError("can't start new thread")
+
+
+def test_a_lease_whose_renewal_cannot_start_is_released(
+    api: Any, fake_time: FakeTime, namespace: str
+) -> None:
+    """An error after the acquire, inside ``with``'s entry, lets the key go at once."""
+    client = make_client(api, fake_time)
+    client._thread_factory = _NoThreads
+    with pytest.raises(RuntimeError, match="new thread"), client.lease(namespace, KEY):
+        pytest.fail("the block must not run")
+    assert isinstance(make_client(api, fake_time).acquire(namespace, KEY), Lease)
+
+
 def test_lease_on_a_completed_key_returns_the_result(client: LeaseClient, namespace: str) -> None:
     """A completed key gives completed=True and the stored result; nothing renews or releases."""
     with client.lease(namespace, KEY, fingerprint="f") as lease:

@@ -281,6 +281,8 @@ class AsyncHeldLease:
         on_lost: AsyncOnLost | None,
         on_wait: OnWait | None,
     ) -> None:
+        if type(ttl) is not int:  # not a bool or None either: the renewal plan needs seconds
+            raise TypeError("ttl must be a whole number of seconds (an int)")
         self._client = client
         self._namespace = namespace
         self._key = key
@@ -344,6 +346,14 @@ class AsyncHeldLease:
             self._ended = True
             return self
         self.grant = outcome
+        try:
+            self._start_renewal(outcome, sent_at)
+        except BaseException:  # the key is ours: let it go rather than hold it to its TTL
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    def _start_renewal(self, outcome: Lease, sent_at: float) -> None:
         client = self._client
         self.renewer = AsyncRenewalWorker(
             self,
@@ -354,7 +364,6 @@ class AsyncHeldLease:
             request_timeout=client.timeout,
         )
         self.renewer.start()
-        return self
 
     async def __aexit__(
         self,

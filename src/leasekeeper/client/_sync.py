@@ -327,6 +327,8 @@ class HeldLease:
         on_lost: OnLost | None,
         on_wait: OnWait | None,
     ) -> None:
+        if type(ttl) is not int:  # not a bool or None either: the renewal plan needs seconds
+            raise TypeError("ttl must be a whole number of seconds (an int)")
         self._client = client
         self._namespace = namespace
         self._key = key
@@ -394,6 +396,14 @@ class HeldLease:
             self._ended = True
             return self
         self.grant = outcome
+        try:
+            self._start_renewal(outcome, sent_at)
+        except BaseException:  # the key is ours: let it go rather than hold it to its TTL
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def _start_renewal(self, outcome: Lease, sent_at: float) -> None:
         client = self._client
         self.renewer = RenewalWorker(
             self,
@@ -404,7 +414,6 @@ class HeldLease:
             request_timeout=client.timeout,
         )
         self.renewer.start()
-        return self
 
     def __exit__(
         self,
