@@ -22,7 +22,13 @@ from leasekeeper import (
     ServiceUnreachable,
     Settings,
 )
-from leasekeeper.client import AsyncHeldLease, AsyncRenewalWorker, Completed, Lease
+from leasekeeper.client import (
+    AsyncHeldLease,
+    AsyncRenewalWorker,
+    Completed,
+    Lease,
+    current_lease,
+)
 from leasekeeper.http import create_app
 from tests.client_fakes import BASE_URL, FakeTime, manual_task
 
@@ -306,6 +312,52 @@ def test_async_once_runs_once_across_tasks(run_app: Callable[..., None]) -> None
             assert calls == [7]
 
     run_app(scenario)
+
+
+class _CompleteFailsOnce(httpx.AsyncBaseTransport):
+    """The first /lease/complete gets no answer; everything else reaches the app."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.failed = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/complete") and not self.failed:
+            self.failed = True
+            raise httpx.ConnectError("reset", request=request)
+        return await self.inner.handle_async_request(request)
+
+
+def test_async_once_gives_its_lease_and_stores_through_a_blip(
+    run_app: Callable[..., None], fake_time: FakeTime
+) -> None:
+    """current_lease() is the AsyncHeldLease inside the function (and the tasks it
+    starts); a complete that got no answer is tried again, so the work runs once."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        flaky = _CompleteFailsOnce(transport)
+        client = fake_client(flaky, fake_time)
+        namespace = await client.create_namespace()
+        calls: list[int] = []
+
+        @client.once(namespace, key="charge:9")
+        async def charge() -> int:
+            lease = current_lease()
+            assert isinstance(lease, AsyncHeldLease)
+            inner = await asyncio.create_task(_fence_in_a_task())
+            calls.append(inner)
+            return lease.fencing_token
+
+        assert await charge() == 1
+        assert await charge() == 1
+        assert calls == [1] and flaky.failed
+        assert fake_time.waits == [1.0]  # an unreachable service: Retry-After is 1 s
+
+    run_app(scenario)
+
+
+async def _fence_in_a_task() -> int:
+    return current_lease().fencing_token
 
 
 def test_async_check_after_the_local_expiry_calls_on_lost(

@@ -29,7 +29,14 @@ from leasekeeper import (
     ServiceUnavailable,
     ServiceUnreachable,
 )
-from leasekeeper.client import Completed, HeldLease, Lease, Released, RenewalWorker
+from leasekeeper.client import (
+    Completed,
+    HeldLease,
+    Lease,
+    Released,
+    RenewalWorker,
+    current_lease,
+)
 from tests.client_fakes import BASE_URL, FakeTime, ManualThread, bridge
 
 KEY = "invoice:2026-09-05"
@@ -680,6 +687,79 @@ def test_once_runs_the_function_once_and_returns_the_stored_result(
     assert charge(502) == {"order": 502, "token": "[redacted]"}
     assert calls == [501, 502]
     assert charge.__name__ == "charge"
+
+
+def test_once_gives_the_function_its_lease(client: LeaseClient, namespace: str) -> None:
+    """Inside the function current_lease() is the HeldLease (check it, send its fence);
+    outside one there is none."""
+    seen: list[HeldLease] = []
+
+    @client.once(namespace, key="pay:1")
+    def pay() -> int:
+        lease = current_lease()
+        assert isinstance(lease, HeldLease)
+        lease.check()
+        seen.append(lease)
+        return lease.fencing_token
+
+    assert pay() == 1
+    assert seen[0].completed
+    with pytest.raises(LookupError, match="inside a function run by once"):
+        current_lease()
+
+
+def test_once_stores_the_result_through_a_passing_outage(
+    api: Any, fake_time: FakeTime, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A complete refused as unavailable, unreachable or 408 is tried again while the
+    lease is held: the work that was done is stored, not done again by the next caller."""
+    answers: list[httpx.Response | None] = [
+        httpx.Response(503, json={"ok": False, "status": "unavailable", "error": "down"}),
+        httpx.Response(408, json={"ok": False, "status": "timeout", "error": "slow"}),
+        None,
+    ]
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        if request.url.path.endswith("/complete") and answers[0] is not None:
+            return answers.pop(0)
+        return None
+
+    client = make_client(api, fake_time, fault=fault)
+    calls: list[int] = []
+
+    @client.once(namespace, key="charge:7")
+    def charge() -> dict[str, int]:
+        calls.append(1)
+        return {"charged": 7}
+
+    with caplog.at_level(logging.WARNING, logger="leasekeeper.client"):
+        assert charge() == {"charged": 7}
+    assert charge() == {"charged": 7}
+    assert calls == [1]
+    assert fake_time.waits == [1, 0.5]  # Retry-After (1 s by default), then the backoff
+    assert "storing the result failed (unavailable: down)" in caplog.text
+
+
+def test_once_gives_up_on_storing_when_the_lease_would_end(
+    api: Any, fake_time: FakeTime, namespace: str
+) -> None:
+    """A complete that keeps failing is retried until the lease's local expiry (here no
+    renewal runs), then the lease is lost: the caller learns the result was not stored."""
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        if request.url.path.endswith("/complete"):
+            raise httpx.ConnectError("refused", request=request)
+        return None
+
+    client = make_client(api, fake_time, fault=fault)
+
+    @client.once(namespace, key="charge:8", ttl=10)
+    def charge() -> int:
+        return 8
+
+    with pytest.raises(LeaseLost, match="expired"):
+        charge()
+    assert sum(fake_time.waits) == pytest.approx(10.0)
 
 
 def test_once_with_another_fingerprint_is_a_conflict(client: LeaseClient, namespace: str) -> None:

@@ -36,7 +36,15 @@ from leasekeeper.client._results import (
     parse_lease,
     parse_released,
 )
-from leasekeeper.client._sync import _NOT_OWNED, _WAITABLE, OnWait, Wait
+from leasekeeper.client._sync import (
+    _NOT_OWNED,
+    _ONCE_LEASE,
+    _PASSING,
+    _WAITABLE,
+    OnWait,
+    Wait,
+    _complete_deadline,
+)
 from leasekeeper.client._timing import RenewalPlan, acquire_delay, as_seconds
 
 __all__ = ["AsyncHeldLease", "AsyncLeaseClient"]
@@ -234,7 +242,9 @@ class AsyncLeaseClient:
     ) -> Callable[[Callable[P, Awaitable[Any]]], Callable[P, Awaitable[Any]]]:
         """Run the decorated coroutine function at most once per key and fingerprint.
 
-        As ``LeaseClient.once``: every caller gets the stored result.
+        As ``LeaseClient.once``: every caller gets the stored result, the function
+        finds its ``AsyncHeldLease`` in ``current_lease()``, and a ``complete``
+        refused for a passing reason is tried again while the lease is held.
         """
 
         def decorate(function: Callable[P, Awaitable[Any]]) -> Callable[P, Awaitable[Any]]:
@@ -254,11 +264,40 @@ class AsyncLeaseClient:
                 ) as lease:
                     if lease.completed:
                         return lease.result
-                    return await lease.complete(await function(*args, **kwargs))
+                    running = _ONCE_LEASE.set(lease)
+                    try:
+                        value = await function(*args, **kwargs)
+                    finally:
+                        _ONCE_LEASE.reset(running)
+                    return await self._complete_once(lease, value)
 
             return run_once
 
         return decorate
+
+    async def _complete_once(self, lease: AsyncHeldLease, value: Any) -> Any:
+        """As ``LeaseClient._complete_once``."""
+        attempt, deadline = 0, math.inf
+        while True:
+            try:
+                return await lease.complete(value)
+            except _PASSING as error:
+                now = self._monotonic()
+                if attempt == 0:
+                    deadline = now + _complete_deadline(lease, now)
+                delay = acquire_delay(
+                    attempt, error.retry_after or 0, deadline - now, self._random(), held=False
+                )
+                if delay is None:
+                    raise
+                log.warning(
+                    "storing the result failed (%s: %s); retrying in %.1f s",
+                    error.status,
+                    error.error,
+                    delay,
+                )
+                await self._signal_factory().wait(delay)
+                attempt += 1
 
 
 class AsyncHeldLease:

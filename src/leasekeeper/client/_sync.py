@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import math
@@ -11,7 +12,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from types import TracebackType
-from typing import Any, ParamSpec
+from typing import TYPE_CHECKING, Any, ParamSpec
 
 import httpx
 
@@ -45,6 +46,9 @@ from leasekeeper.client._results import (
 )
 from leasekeeper.client._timing import RenewalPlan, acquire_delay, as_seconds
 
+if TYPE_CHECKING:
+    from leasekeeper.client._async import AsyncHeldLease
+
 __all__ = ["HeldLease", "LeaseClient"]
 
 log = logging.getLogger("leasekeeper.client")
@@ -61,6 +65,32 @@ Wait = float | timedelta | None
 #: What ``wait=`` retries: a held key, a busy or unavailable service, a request the
 #: service did not receive in time (408).
 _WAITABLE = (LeaseHeld, RateLimited, ServiceUnavailable, RequestTimeout)
+#: A refused ``complete`` that ``once`` tries again while its lease is held.
+_PASSING = (ServiceUnavailable, RateLimited, RequestTimeout)
+#: The lease of the ``once`` call running in this context (``current_lease``).
+_ONCE_LEASE: contextvars.ContextVar[HeldLease | AsyncHeldLease] = contextvars.ContextVar(
+    "leasekeeper_once_lease"
+)
+
+
+def current_lease() -> HeldLease | AsyncHeldLease:
+    """The lease held for the ``once``-decorated function running now (in this thread,
+    or this task and the tasks it starts): call its ``check()`` before a side effect and
+    send its ``fencing_token`` with writes. ``LookupError`` outside such a function."""
+    try:
+        return _ONCE_LEASE.get()
+    except LookupError:
+        raise LookupError("current_lease() is only set inside a function run by once()") from None
+
+
+def _complete_deadline(lease: HeldLease | AsyncHeldLease, now: float) -> float:
+    """How long ``once`` may go on retrying a ``complete``: while the lease is held by
+    the local estimate, and at most one TTL after the first failure."""
+    renewer = lease.renewer
+    expires = renewer.plan.expires_at if renewer is not None else now
+    return min(expires, now + lease._ttl) - now
+
+
 _NOT_OWNED = (
     "The work on this key was completed before this lease was entered: "
     "it holds no fencing token and must not write"
@@ -272,6 +302,14 @@ class LeaseClient:
         included, gets the *stored* result, so all see the same (redacted) value.
         Other callers wait while the key is held (by default for ever); if the
         function raises, the lease is released and the next caller runs it.
+
+        Inside the function ``current_lease()`` is its ``HeldLease``: a worker paused
+        past its TTL loses the lease and another caller may run the function, so check
+        it before side effects and send its ``fencing_token`` with writes. A
+        ``complete`` refused for a passing reason (unavailable, unreachable, 429, 408)
+        is tried again while the lease is held; a return value that cannot be stored
+        (not JSON: ``TypeError``; over 32 KiB: ``PayloadTooLarge``) raises after the
+        function ran, and the next caller runs it again.
         """
 
         def decorate(function: Callable[P, Any]) -> Callable[P, Any]:
@@ -291,11 +329,41 @@ class LeaseClient:
                 ) as lease:
                     if lease.completed:
                         return lease.result
-                    return lease.complete(function(*args, **kwargs))
+                    running = _ONCE_LEASE.set(lease)
+                    try:
+                        value = function(*args, **kwargs)
+                    finally:
+                        _ONCE_LEASE.reset(running)
+                    return self._complete_once(lease, value)
 
             return run_once
 
         return decorate
+
+    def _complete_once(self, lease: HeldLease, value: Any) -> Any:
+        """``lease.complete(value)``, tried again after a passing refusal (``_PASSING``)
+        while the lease is held, so that work done is not done again for a blip."""
+        attempt, deadline = 0, math.inf
+        while True:
+            try:
+                return lease.complete(value)
+            except _PASSING as error:
+                now = self._monotonic()
+                if attempt == 0:
+                    deadline = now + _complete_deadline(lease, now)
+                delay = acquire_delay(
+                    attempt, error.retry_after or 0, deadline - now, self._random(), held=False
+                )
+                if delay is None:
+                    raise
+                log.warning(
+                    "storing the result failed (%s: %s); retrying in %.1f s",
+                    error.status,
+                    error.error,
+                    delay,
+                )
+                self._event_factory().wait(delay)
+                attempt += 1
 
 
 class HeldLease:
