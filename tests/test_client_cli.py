@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -24,6 +26,7 @@ from leasekeeper._errors import (
     ServiceUnavailable,
 )
 from leasekeeper.cli import main
+from leasekeeper.client import _cli as _cli_module
 from leasekeeper.client._cli import (
     EXIT_COMPLETED,
     EXIT_CONFLICT,
@@ -306,8 +309,13 @@ def take_lease_away(cli: Cli, clock: FakeClock, key: str, ready: Path, done: lis
     [
         ("touch {ready}; exec sleep 30", "stopped with SIGTERM"),
         ("trap '' TERM; touch {ready}; sleep 30", "killed with SIGKILL after the grace period"),
+        # The leader ends on SIGTERM; what it started and ignores SIGTERM is killed too.
+        (
+            "(trap '' TERM; exec sleep 30) & echo $! > {ready}.pid; touch {ready}; wait",
+            "killed with SIGKILL after the grace period",
+        ),
     ],
-    ids=["sigterm", "sigkill"],
+    ids=["sigterm", "sigkill", "group"],
 )
 def test_run_stops_the_command_when_the_lease_is_lost(
     cli: Cli, clock: FakeClock, tmp_path: Path, script: str, how: str
@@ -330,3 +338,180 @@ def test_run_stops_the_command_when_the_lease_is_lost(
     assert cli.environ["LEASEKEEPER_NAMESPACE"] not in result.output
     # Nothing was recorded, and the new owner still holds the key.
     assert cli("acquire", "--key", "cron").exit_code == EXIT_HELD
+    pid_file = tmp_path / "ready.pid"
+    if pid_file.exists():
+        assert not _alive(int(pid_file.read_text()))
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not ended (a zombie has ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _after_ready(ready: Path, signum: int) -> threading.Thread:
+    """A thread that sends ``signum`` to this process (run's) once ``ready`` exists."""
+
+    def send() -> None:
+        deadline = time.monotonic() + 10
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signum)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread
+
+
+def test_run_stops_what_the_command_leaves_in_its_group(cli: Cli, tmp_path: Path) -> None:
+    """The lease covers the command's whole group: what the command started and left
+    running gets SIGTERM when it exits, before the status is recorded and the lease
+    let go, so no work of it outlives the lease."""
+    pid_file = tmp_path / "pid"
+    result = cli("run", "--key", "bg", "--grace", "0.5", "--complete", "--",
+                 "sh", "-c", f"sleep 30 & echo $! > {pid_file}; exit 0")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "left processes in its group" in result.stderr
+    assert not _alive(int(pid_file.read_text()))
+    assert cli("acquire", "--key", "bg").exit_code == EXIT_COMPLETED
+
+
+def test_a_signal_while_the_command_starts_is_passed_on(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM to run while the command is being started reaches the command once it
+    exists (run's handlers are in place before): no command runs on without run."""
+    real_popen = subprocess.Popen
+
+    def popen_during_a_signal(*args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)  # handled (recorded) before the child exists
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(_cli_module.subprocess, "Popen", popen_during_a_signal)
+    started = time.monotonic()
+    result = cli("run", "--key", "st", "--complete", "--", "sleep", "30")
+    assert result.exit_code == 128 + signal.SIGTERM, result.output
+    assert time.monotonic() - started < 10
+    assert cli("acquire", "--key", "st").exit_code == 0  # not recorded, released
+
+
+def test_a_signal_before_the_command_starts_keeps_it_from_starting(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interruption after the lease was acquired but before the command started:
+    the command is not started, run exits 128 + N and lets the lease go."""
+    ran = tmp_path / "ran"
+
+    def say(self: Any, message: str) -> None:
+        if message.startswith("lease acquired"):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(_cli_module._Progress, "say", say)
+    result = cli("run", "--key", "pre", "--complete", "--", "touch", str(ran))
+    assert result.exit_code == 128 + signal.SIGINT, result.output
+    assert not ran.exists()
+    assert cli("acquire", "--key", "pre").exit_code == 0
+
+
+def test_sigquit_is_passed_on_and_usr1_does_not_cancel_recording(cli: Cli, tmp_path: Path) -> None:
+    """SIGQUIT (Ctrl-\\) interrupts the command like SIGTERM (not recorded); SIGUSR1 is
+    passed on as a request to the command, whose status is then recorded."""
+    ready = tmp_path / "ready"
+    sender = _after_ready(ready, signal.SIGQUIT)
+    result = cli("run", "--key", "q", "--complete", "--",
+                 "sh", "-c", f"touch {ready}; exec sleep 30")  # fmt: skip
+    sender.join()
+    assert result.exit_code == 128 + signal.SIGQUIT, result.output
+    assert cli("acquire", "--key", "q").exit_code == 0  # not recorded
+
+    ready.unlink()
+    got = tmp_path / "got"
+    sender = _after_ready(ready, signal.SIGUSR1)
+    script = (f"trap 'echo usr1 > {got}' USR1; touch {ready}; "
+              f"while [ ! -s {got} ]; do sleep 0.05; done; exit 5")  # fmt: skip
+    result = cli("run", "--key", "u", "--complete", "--", "sh", "-c", script)
+    sender.join()
+    assert result.exit_code == 5, result.output
+    recorded = cli("acquire", "--key", "u")
+    assert recorded.exit_code == EXIT_COMPLETED
+    assert cli.json(recorded)["result"] == {"exit_code": 5}
+
+
+def test_a_signal_run_was_told_to_ignore_stays_ignored(cli: Cli, tmp_path: Path) -> None:
+    """Under nohup (SIGHUP ignored), a SIGHUP neither reaches the command nor cancels
+    recording its status."""
+    ready = tmp_path / "ready"
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        sender = _after_ready(ready, signal.SIGHUP)
+        result = cli("run", "--key", "h", "--complete", "--",
+                     "sh", "-c", f"touch {ready}; sleep 0.5; exit 0")  # fmt: skip
+        sender.join()
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    assert result.exit_code == 0, result.output
+    assert cli("acquire", "--key", "h").exit_code == EXIT_COMPLETED
+
+
+def _failing_complete(cli: Cli, status: int, times: int) -> None:
+    """Make the next ``times`` /lease/complete answers ``status`` refusals."""
+    left = [times]
+    body = {408: {"status": "timeout"}, 400: {"status": "invalid"}}[status]
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        if request.url.path.endswith("/complete") and left[0]:
+            left[0] -= 1
+            return httpx.Response(status, json={"ok": False, "error": "no", **body})
+        return None
+
+    cli.client = lambda url=BASE_URL, timeout=10.0: LeaseClient(  # type: ignore[method-assign]
+        BASE_URL, transport=bridge(cli.api, fault), timeout=timeout
+    )
+
+
+def test_run_complete_is_retried_and_a_failure_still_says_the_status(cli: Cli) -> None:
+    """Recording a status refused for a passing reason (408) is tried again; one that
+    cannot be stored is reported with the command's status, which is not lost."""
+    _failing_complete(cli, 408, 1)
+    result = cli("run", "--key", "r", "--complete", "--", "sh", "-c", "exit 6")
+    assert result.exit_code == 6, result.output
+    assert "storing the result failed (timeout" in result.stderr
+    assert cli("acquire", "--key", "r").exit_code == EXIT_COMPLETED
+
+    _failing_complete(cli, 400, 1)
+    result = cli("run", "--key", "s", "--complete", "--", "sh", "-c", "exit 7")
+    assert result.exit_code == EXIT_INVALID
+    report = orjson.loads(result.stderr.strip().splitlines()[-1])
+    assert report["status"] == "invalid" and report["exit_code"] == 7
+
+
+def test_ctrl_c_while_waiting_exits_130(cli: Cli) -> None:
+    """SIGINT while acquire --wait waits is 130, as a shell reports it, not click's 1."""
+    assert cli("acquire", "--key", "busy", "--ttl", "60").exit_code == 0
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        result = cli("acquire", "--key", "busy", "--wait", "10")
+    finally:
+        timer.join()
+    assert result.exit_code == 130, result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--url", "http://[::1"], "--url or LEASEKEEPER_URL"),
+        (["--url", "127.0.0.1:8787"], "--url or LEASEKEEPER_URL"),
+        (["--timeout", "inf"], "--timeout"),
+        (["--timeout", "1e10"], "--timeout"),
+    ],
+)
+def test_a_bad_url_or_timeout_is_a_usage_error(args: list[str], message: str) -> None:
+    """Not a traceback (httpx's InvalidURL, an OverflowError) or a retryable 14."""
+    env = CliEnvironment(environ={"PATH": os.environ.get("PATH", "")})
+    result = CliRunner().invoke(main, ["acquire", "--key", "k" * 40, *args], obj=env)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output

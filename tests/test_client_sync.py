@@ -433,6 +433,26 @@ def test_a_lease_whose_renewal_cannot_start_is_released(
     assert isinstance(make_client(api, fake_time).acquire(namespace, KEY), Lease)
 
 
+def test_a_lost_lease_is_not_released_at_exit(
+    api: Any, fake_time: FakeTime, namespace: str
+) -> None:
+    """Once the service said lost (or the local expiry passed), leaving the block sends
+    no release: there is nothing to let go, and a down service would only delay exit."""
+    paths: list[str] = []
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        paths.append(request.url.path.rsplit("/", 1)[-1])
+        if request.url.path.endswith("/renew"):
+            return httpx.Response(409, json={"ok": False, "status": "lost", "error": "gone"})
+        return None
+
+    client = make_client(api, fake_time, fault=fault)
+    with client.lease(namespace, KEY) as lease:
+        assert not worker_of(lease).step()
+        assert lease.lost.is_set()
+    assert paths == ["lease", "renew"]
+
+
 def test_lease_on_a_completed_key_returns_the_result(client: LeaseClient, namespace: str) -> None:
     """A completed key gives completed=True and the stored result; nothing renews or releases."""
     with client.lease(namespace, KEY, fingerprint="f") as lease:

@@ -416,6 +416,8 @@ class AsyncHeldLease:
             if self._ended:
                 return
             self._ended = True
+            if self.lost.is_set():  # the service said so, or its expiry has passed
+                return
             try:
                 await self._client.release(self._namespace, self._key, self._token())
             except LeaseLost:

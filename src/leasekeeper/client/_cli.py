@@ -33,6 +33,7 @@ the JSON that ``leasekeeper namespace`` / ``leasekeeper acquire`` printed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -89,6 +90,8 @@ EXIT_COMPLETED = 15
 EXIT_NOT_STARTED = 127
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+log = logging.getLogger("leasekeeper.client")
 
 
 def exit_code(error: LeaseError) -> int:
@@ -179,7 +182,7 @@ class _Seconds(click.FloatRange):
 def _connection_options(function: F) -> F:
     function = click.option(
         "--timeout",
-        type=_Seconds(min=0.1),
+        type=_Seconds(min=0.1, max=86_400),
         default=DEFAULT_TIMEOUT,
         show_default=True,
         help="Seconds for one HTTP request.",
@@ -329,7 +332,10 @@ def _target(options: Mapping[str, Any], *, with_fingerprint: bool = False) -> _T
     fingerprint = (
         _secret("fingerprint", options, environ, required=False) if with_fingerprint else None
     )
-    client = env.make_client(url, float(options["timeout"]))
+    try:
+        client = env.make_client(url, float(options["timeout"]))
+    except ValueError as exc:  # not an http(s) URL with a host (the URL is not repeated)
+        raise click.UsageError(f"--url or LEASEKEEPER_URL: {exc}") from None
     return _Target(client, namespace, str(key), fingerprint, environ)
 
 
@@ -363,7 +369,7 @@ class _Progress:
             why = f"the lease is held by another owner (fencing token {error.fencing_token})"
         else:
             why = f"the service answered {error.status}"
-        limit = "no limit" if self.wait == float("inf") else f"{self.wait:.0f} s"
+        limit = "no limit" if self.wait == float("inf") else f"{self.wait:g} s"
         self.say(f"{why}; trying again in {delay:.1f} s (waited {waited:.0f} s of {limit})")
 
 
@@ -503,38 +509,65 @@ def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
         os.killpg(process.pid, signum)
 
 
+def _group_alive(process: subprocess.Popen[bytes]) -> bool:
+    """Whether any process is left in the command's process group."""
+    try:
+        os.killpg(process.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # one is there, and no longer ours to signal
+        return True
+    return True
+
+
+#: Signals passed on to the command's group that end its status's claim to be recorded
+#: (an interruption); and signals passed on that do not (USR1 and USR2 ask a program
+#: to do something, such as reopen its logs, not to stop).
+_INTERRUPTIONS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+_PASSED_ON = (signal.SIGUSR1, signal.SIGUSR2)
+
+
 @contextlib.contextmanager
 def _forward_signals(
-    process: subprocess.Popen[bytes], received: list[int], still_held: Callable[[], bool]
+    started: list[subprocess.Popen[bytes]], received: list[int], still_held: Callable[[], bool]
 ) -> Iterator[None]:
-    """Pass SIGINT, SIGTERM and SIGHUP on to the command's process group while it runs,
-    and stop the command with ``run`` (SIGTSTP, Ctrl-Z).
+    """Pass SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 on to the command's
+    process group while it runs, and stop the command with ``run`` (SIGTSTP, Ctrl-Z).
 
-    The command has a process group of its own, so a Ctrl-Z would stop ``run`` (and
-    its renewals) but not the command, which went on working past the lease. Now
-    the command is stopped first; when ``run`` is continued, the command continues
-    only if ``still_held()``, and otherwise gets SIGTERM before it runs again.
+    The handlers are in place before the command starts (``started`` is empty until
+    then): a signal that arrives meanwhile is kept in ``received``, and the caller
+    does not start the command, or passes it on once it has. A signal that ``run``
+    was started ignoring (``nohup``) stays ignored. The command has a process group
+    of its own, so a Ctrl-Z would stop ``run`` (and its renewals) but not the
+    command, which went on working past the lease. Now the command is stopped
+    first; when ``run`` is continued, the command continues only if
+    ``still_held()``, and otherwise gets SIGTERM before it runs again.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def forward(signum: int, frame: FrameType | None) -> None:
-        received.append(signum)
-        _signal_group(process, signum)
+        if signum in _INTERRUPTIONS:
+            received.append(signum)
+        if started:
+            _signal_group(started[0], signum)
 
     def pause(signum: int, frame: FrameType | None) -> None:
-        _signal_group(process, signal.SIGSTOP)
+        if started:
+            _signal_group(started[0], signal.SIGSTOP)
         signal.signal(signal.SIGTSTP, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTSTP)  # stops here, as asked; returns on SIGCONT
         signal.signal(signal.SIGTSTP, pause)
-        if not still_held():  # expired meanwhile: the loss is handled by the main loop
-            _signal_group(process, signal.SIGTERM)
-        _signal_group(process, signal.SIGCONT)
+        if started:
+            if not still_held():  # expired meanwhile: the loss is handled by the main loop
+                _signal_group(started[0], signal.SIGTERM)
+            _signal_group(started[0], signal.SIGCONT)
 
     previous = {
         signum: signal.signal(signum, forward)
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        for signum in (*_INTERRUPTIONS, *_PASSED_ON)
+        if signal.getsignal(signum) is not signal.SIG_IGN
     }
     previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, pause)
     try:
@@ -545,11 +578,18 @@ def _forward_signals(
 
 
 def _stop(process: subprocess.Popen[bytes], grace: float) -> str:
-    """SIGTERM the command's group, then SIGKILL after ``grace`` seconds; how it ended."""
+    """SIGTERM the command's whole group, then SIGKILL after ``grace`` seconds to what
+    is left of it (the leader, or processes it started); how it ended."""
+    deadline = time.monotonic() + grace
     _signal_group(process, signal.SIGTERM)
     try:
         process.wait(grace)
     except subprocess.TimeoutExpired:
+        pass
+    else:
+        while _group_alive(process) and time.monotonic() < deadline:
+            threading.Event().wait(0.05)  # not our children: nothing to wait on but this
+    if process.poll() is None or _group_alive(process):
         _signal_group(process, signal.SIGKILL)
         process.wait()
         return "killed with SIGKILL after the grace period"
@@ -588,7 +628,7 @@ def _stored_status(result: Any) -> int:
 )
 @click.option(
     "--grace",
-    type=_Seconds(min=0),
+    type=_Seconds(min=0, max=86_400),
     default=10.0,
     show_default=True,
     help="Seconds between SIGTERM and SIGKILL when the lease is lost.",
@@ -600,11 +640,13 @@ def run_command(command: tuple[str, ...], **options: Any) -> None:
 
     The command gets LEASEKEEPER_FENCING_TOKEN in its environment and runs in its
     own process group. If the lease is lost, the group gets SIGTERM, then SIGKILL
-    after --grace seconds, and run exits 11. With --complete the exit status is
+    after --grace seconds, and run exits 11; what the command leaves running in its
+    group when it exits is stopped the same way. With --complete the exit status is
     stored as {"exit_code": N}; a later run with the same key and fingerprint does
     not run the command, prints the stored result on stdout and exits with that
-    status. SIGINT, SIGTERM and SIGHUP are passed on to the command, and then its
-    status is not recorded. Ctrl-Z stops the command with run.
+    status. SIGINT, SIGTERM, SIGHUP and SIGQUIT are passed on to the command, and
+    then its status is not recorded; SIGUSR1 and SIGUSR2 are passed on. Ctrl-Z
+    stops the command with run.
 
     \b
     leasekeeper run --namespace-file ns.json --key nightly-report --wait 600 \\
@@ -628,13 +670,14 @@ def run_command(command: tuple[str, ...], **options: Any) -> None:
         except LeaseError as error:
             _fail(error, err=True)
         try:
-            code = _run_held(held, command, options, target.environ, wake, progress)
+            code = _run_held(client, held, command, options, target.environ, wake, progress)
         finally:
             held.__exit__(None, None, None)
     sys.exit(code)
 
 
 def _run_held(
+    client: LeaseClient,
     held: HeldLease,
     command: tuple[str, ...],
     options: Mapping[str, Any],
@@ -649,21 +692,9 @@ def _run_held(
         _print_json({**held.completion.body, "skipped": True})
         return stored
     fence = held.fencing_token
-    progress.say(f"lease acquired (fencing token {fence}); running the command")
     child_env = {**environ, "LEASEKEEPER_FENCING_TOKEN": str(fence)}
-    try:
-        process = subprocess.Popen(command, env=child_env, process_group=0)  # noqa: S603
-    except OSError as exc:
-        error = {"ok": False, "status": "error", "error": f"cannot run the command: {exc.strerror}"}
-        _print_json(error, err=True)
-        return EXIT_NOT_STARTED
     received: list[int] = []
-
-    def watch() -> None:
-        process.wait()
-        wake.set()
-
-    threading.Thread(target=watch, name="leasekeeper-run-watch", daemon=True).start()
+    started: list[subprocess.Popen[bytes]] = []
 
     def still_held() -> bool:
         try:
@@ -672,7 +703,25 @@ def _run_held(
             return False
         return True
 
-    with _forward_signals(process, received, still_held):
+    with _forward_signals(started, received, still_held):
+        progress.say(f"lease acquired (fencing token {fence}); running the command")
+        if received:  # interrupted before the command started: it is not started
+            return 128 + received[0]
+        try:
+            process = subprocess.Popen(command, env=child_env, process_group=0)  # noqa: S603
+        except OSError as exc:
+            why = f"cannot run the command: {exc.strerror}"
+            _print_json({"ok": False, "status": "error", "error": why}, err=True)
+            return EXIT_NOT_STARTED
+        started.append(process)
+        for signum in received:  # arrived while it was starting
+            _signal_group(process, signum)
+
+        def watch() -> None:
+            process.wait()
+            wake.set()
+
+        threading.Thread(target=watch, name="leasekeeper-run-watch", daemon=True).start()
         wake.wait()
         if held.lost.is_set() and process.poll() is None:
             how = _stop(process, options["grace"])
@@ -680,6 +729,13 @@ def _run_held(
             _print_json({"ok": False, "status": "lost", "error": lost, "command": how}, err=True)
             return EXIT_LOST
         process.wait()
+        if _group_alive(process):  # the lease covers the whole group: none of it outlives it
+            log.warning(
+                "the command exited and left processes in its group; they get SIGTERM "
+                "(SIGKILL after %s s) before the lease ends",
+                options["grace"],
+            )
+            _stop(process, options["grace"])
     status = _shell_status(process.returncode)
     if held.lost.is_set():
         lost = held.lost_error.error if held.lost_error else "the lease was lost"
@@ -687,12 +743,26 @@ def _run_held(
         return EXIT_LOST
     if options["record"] and not received:
         try:
-            held.complete({"exit_code": status})
-        except LeaseError as error:
-            _print_json(error.body(), err=True)
+            client._complete_once(held, {"exit_code": status})  # retried while held
+        except LeaseError as error:  # the status is said, since it could not be stored
+            _print_json({**error.body(), "exit_code": status}, err=True)
             return exit_code(error)
         progress.say(f"recorded exit code {status}")
     return status
+
+
+def _exit_130_on_interrupt(callback: Callable[..., Any]) -> Callable[..., Any]:
+    """A Ctrl-C that reaches Python (while waiting, say) exits 130, as a shell reports
+    SIGINT, rather than click's "Aborted!" with 1, which the table keeps for errors."""
+
+    @functools.wraps(callback)
+    def interruptible(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return callback(*args, **kwargs)
+        except KeyboardInterrupt:
+            sys.exit(128 + signal.SIGINT)
+
+    return interruptible
 
 
 #: The commands ``leasekeeper.cli`` adds to ``main``.
@@ -704,3 +774,6 @@ CLIENT_COMMANDS = [
     complete_command,
     run_command,
 ]
+for _command in CLIENT_COMMANDS:
+    if _command.callback is not None:
+        _command.callback = _exit_130_on_interrupt(_command.callback)

@@ -147,8 +147,8 @@ def _log_retry(plan: RenewalPlan, error: LeaseError, now: float) -> None:
         "lease renewal failed (%s: %s); retrying in %.1f s, the lease expires in %.1f s",
         error.status,
         error.error,
-        plan.next_at - now,
-        plan.expires_at - now,
+        max(plan.next_at - now, 0.0),
+        max(plan.expires_at - now, 0.0),
     )
 
 
