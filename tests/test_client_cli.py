@@ -20,6 +20,8 @@ from leasekeeper import FakeClock, LeaseClient
 from leasekeeper._errors import (
     InvalidRequest,
     LeaseError,
+    MethodNotAllowed,
+    NotFound,
     PayloadTooLarge,
     RateLimited,
     RequestTimeout,
@@ -30,6 +32,7 @@ from leasekeeper.client import _cli as _cli_module
 from leasekeeper.client._cli import (
     EXIT_COMPLETED,
     EXIT_CONFLICT,
+    EXIT_ERROR,
     EXIT_HELD,
     EXIT_INVALID,
     EXIT_LOST,
@@ -193,10 +196,13 @@ def test_invalid_and_unreachable_have_their_codes(cli: Cli) -> None:
         (ServiceUnavailable(), EXIT_UNAVAILABLE),
         (InvalidRequest(), EXIT_INVALID),
         (PayloadTooLarge(), EXIT_INVALID),
+        (NotFound(), EXIT_ERROR),  # a wrong URL path: an unexpected response, not bad input
+        (MethodNotAllowed(), EXIT_ERROR),
     ],
 )
 def test_retryable_refusals_exit_14_and_bad_requests_13(error: LeaseError, code: int) -> None:
-    """What a retry may cure exits 14 (retry later); what it cannot, 13."""
+    """What a retry may cure exits 14 (retry later); what it cannot, 13; a route that
+    is not there (a wrong --url path) is an unexpected response, 1."""
     assert exit_code(error) == code
 
 

@@ -7,7 +7,7 @@ service's JSON body on stdout, and exit with a code that tells outcomes apart:
 code  meaning      when
 ====  ===========  ===============================================================
 0     ok           done; for ``acquire``: you hold the lease now
-1     error        an internal error or an unexpected response
+1     error        an internal error or an unexpected response (404: a wrong URL path)
 2     usage        bad options (missing secret, unreadable file, bad JSON)
 10    held         another owner holds the lease (after ``--wait``, if given)
 11    lost         you are not (or no longer) the owner; ``run``: the child was stopped
@@ -56,6 +56,8 @@ from leasekeeper._errors import (
     LeaseError,
     LeaseHeld,
     LeaseLost,
+    MethodNotAllowed,
+    NotFound,
     RateLimited,
     RequestError,
     RequestTimeout,
@@ -104,6 +106,8 @@ def exit_code(error: LeaseError) -> int:
         return EXIT_CONFLICT
     if isinstance(error, RateLimited | ServiceUnavailable | RequestTimeout):
         return EXIT_UNAVAILABLE  # 408: the request was slow to arrive; sent again, it may not be
+    if isinstance(error, NotFound | MethodNotAllowed):
+        return EXIT_ERROR  # no such route: a wrong --url path, not a bad request of ours
     if isinstance(error, RequestError):
         return EXIT_INVALID
     return EXIT_ERROR
