@@ -33,6 +33,9 @@ from leasekeeper._core.model import (
     Renew,
     Renewed,
 )
+from leasekeeper._core.model import (
+    Released as ReleasedOutcome,
+)
 from leasekeeper.store import Store, StoreURLError, open_store
 from tests._stores import store_target
 from tests.conftest import StoreFactory, new_schema_name, postgres_url
@@ -898,6 +901,48 @@ def test_a_commit_whose_answer_was_lost_is_found_and_acknowledged(
                 renewed = await store.apply(Renew(key, owner, TTL))
                 assert isinstance(renewed.outcome, Renewed)
                 assert renewed.outcome.record.fencing_token == granted.outcome.record.fencing_token
+        finally:
+            await relay.stop()
+
+    asyncio.run(main())
+    assert "a cut-off COMMIT had taken effect" in caplog.text
+
+
+def test_a_release_that_took_effect_is_released_even_once_a_new_owner_holds_the_key(
+    make_store: StoreFactory,
+    url: str,
+    target: tuple[str, int],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A release's COMMIT reaches the server, its answer is lost, and before the store
+    looks, another instance grants the freed key: the row no longer shows the release,
+    but the transaction committed, so the answer is released, not lost."""
+    caplog.set_level(logging.INFO, logger="leasekeeper.store.postgres")
+
+    async def main() -> None:
+        relay = Relay(*target)
+        port = await relay.start()
+        store = make_store("postgres", url=url_with(url, port=port), timeout_seconds=3)
+        other = make_store("postgres", like=store, url=url, timeout_seconds=3)
+        try:
+            async with opened(store), opened(other):
+                key, owner = new_id(), new_id()
+                granted = await store.apply(acquire(key, owner))
+                assert isinstance(granted.outcome, Granted)
+                landed = store._landed  # type: ignore[attr-defined]
+                newer: list[Any] = []
+
+                async def after_a_new_owner(*args: Any) -> set[bytes]:
+                    newer.append(await other.apply(acquire(key, new_id())))
+                    return await landed(*args)  # type: ignore[no-any-return]
+
+                store._landed = after_a_new_owner  # type: ignore[attr-defined]
+                relay.trap(COMMIT_MESSAGE, deliver=True)
+                released = await store.apply(Release(key, owner))
+                assert relay.trapped
+                assert isinstance(newer[0].outcome, Granted)
+                assert newer[0].outcome.record.fencing_token > granted.outcome.record.fencing_token
+                assert isinstance(released.outcome, ReleasedOutcome), released.outcome
         finally:
             await relay.stop()
 

@@ -6,7 +6,7 @@ batches: each batch is one READ COMMITTED transaction on a pooled connection, se
 in pipeline mode (see ``_decide_batch``)::
 
     round trip 1:  BEGIN; SELECT … FOR UPDATE (the batch's rows, in key order);
-                   SELECT clock_timestamp()
+                   SELECT clock_timestamp(), txid_current_if_assigned()
                    ── decide_with_fence for each command in turn, in Python ──
     round trip 2:  SELECT nextval(fence), once per new owner   (only when granting)
     round trip 3:  UPDATE the changed rows; INSERT the new ones; COMMIT
@@ -27,9 +27,9 @@ the row lock, so there is no read-then-write race between instances.
 Failures: serialization failures and deadlocks are retried inside the store, as
 is a connection found dead before the COMMIT was sent (the server rolls such a
 transaction back). When a connection dies with its COMMIT in flight, the store
-reads the batch's written rows on another connection (waiting for their locks) to
-learn whether the decisions took effect: those that did are returned, the others
-are decided again.
+reads the batch's written rows on another connection (waiting for their locks) and
+asks whether its transaction committed, to learn which decisions took effect: those
+that did are returned, the others are decided again (``_landed``).
 Everything else that goes wrong with the database (refused, dropped, blocked, too
 slow) is translated in ``_run``, the one place psycopg errors become
 ``ServiceUnavailable``, within ``timeout_seconds``; the pool replaces dead
@@ -128,7 +128,12 @@ _MIGRATION_LOCK: Final = (
 # now() is frozen at its start.
 # The database server's clock, in milliseconds: every instance reads time from it.
 _DB_NOW_MS: Final = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
-_READ_CLOCK: Final = f"SELECT {_DB_NOW_MS}"
+# The clock, and the batch's transaction id: sent after the rows are locked, which
+# assigns the transaction its id whenever a row exists (FOR UPDATE marks the rows
+# with it), so asking costs nothing more. After a cut-off COMMIT, txid_status() on
+# another connection then says whether the transaction committed (PostgreSQL 10+).
+_READ_CLOCK_AND_TXID: Final = f"SELECT {_DB_NOW_MS}, txid_current_if_assigned()"
+_TXID_STATUS: Final = "SELECT txid_status(%s)"
 
 _BEGIN: Final = "BEGIN ISOLATION LEVEL READ COMMITTED"
 # A batch's rows, locked in key order: two batches (of any instances) that share keys
@@ -225,6 +230,10 @@ class _Attempt(Generic[T]):
     committing: bool = False
     #: The records the attempt writes, to look for after a cut-off COMMIT.
     written: list[LeaseRecord] = field(default_factory=list)
+    #: Of those, the key ids of rows that existed (locked and updated, not inserted).
+    updated: set[bytes] = field(default_factory=set)
+    #: The transaction's id, when it has one (``_READ_CLOCK_AND_TXID``).
+    txid: int | None = None
     #: After a cut-off COMMIT: what the attempt returns, given the key ids whose
     #: written record is found in the table.
     resolve: Callable[[set[bytes]], T] | None = None
@@ -485,7 +494,7 @@ class PostgresStore:
         """Decide ``batch`` in one transaction of two round trips, three when it grants::
 
             1:  BEGIN; SELECT … FOR UPDATE (the batch's rows, in key order);
-                SELECT clock_timestamp()
+                SELECT clock_timestamp(), txid_current_if_assigned()
                     ── decide_with_fence for each command in turn, in Python ──
            (2:  SELECT nextval(fence), once per new owner; decide again with them)
             3:  UPDATE the changed rows; INSERT the new ones … ON CONFLICT DO NOTHING;
@@ -506,13 +515,14 @@ class PostgresStore:
             # statement keeps a generic plan chosen while the table was small (a scan),
             # and ran at a tenth of the speed once it held tens of thousands of rows.
             locked = await conn.execute(_LOCK_ROWS, (keys,), prepare=False)
-            timed = await conn.execute(_READ_CLOCK) if clock is None else None
+            timed = await conn.execute(_READ_CLOCK_AND_TXID)
             rows = await locked.fetchall()  # sends the statements: round trip 1
-            if timed is not None:
-                now_ms = _first_int(await timed.fetchone())
+            row = await timed.fetchone()
+            if clock is None:
+                now_ms = _first_int(row)
             else:
-                assert clock is not None
                 now_ms = clock.now_ms()
+            attempt.txid = None if row is None or row[1] is None else int(row[1])
             # A caller whose deadline passed while its batch waited (for a runner, a
             # connection or these row locks) has been told 503 already: nothing is
             # decided for it, or a lease could be granted whose token nobody holds,
@@ -550,6 +560,7 @@ class PostgresStore:
             # then read a broken connection's error. A COMMIT that may have been sent
             # is looked for (_landed), never decided again as if it had not been.
             attempt.committing, attempt.written = True, list(writes.values())
+            attempt.updated = {w.key_id for w in updates}
             attempt.resolve = functools.partial(_split, results, set(writes))
             await conn.execute("COMMIT")
         # Leaving the pipeline sent the writes and COMMIT and waited for them.
@@ -618,7 +629,7 @@ class PostgresStore:
                     self._check_pool(pool)
                 if attempt.committing and attempt.resolve is not None:
                     # The COMMIT was sent and its answer lost: look for its effect.
-                    landed = await self._landed(pool, attempt.written, deadline)
+                    landed = await self._landed(pool, attempt, deadline)
                     return attempt.resolve(landed)
                 if broken and not attempt.committing:
                     # Dead before COMMIT was sent: the server rolls that transaction
@@ -631,21 +642,27 @@ class PostgresStore:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _landed(
-        self, pool: AsyncConnectionPool[Connection], written: list[LeaseRecord], deadline: float
+        self, pool: AsyncConnectionPool[Connection], attempt: _Attempt[Any], deadline: float
     ) -> set[bytes]:
-        """The key ids whose record, written by a batch whose COMMIT was cut off, is found.
+        """The key ids whose record, written by a batch whose COMMIT was cut off, took effect.
 
         The rows are read with ``FOR UPDATE``, which waits for a transaction still
-        holding them to finish: a row equals the written record (its owner digest and
-        decision time make it unique) when the COMMIT took effect and nothing changed
-        the row since. Commands on the other keys are decided again, against whatever
-        their row holds now; that is safe, and at worst conservative (a release that
-        did happen, followed at once by a new owner, is reported lost). Commands whose
-        key was not written hold either way. A first write to a new key is the one
-        case where the lock cannot be waited for; the new decision then meets that
-        row through ``INSERT … ON CONFLICT`` and decides against it, so nothing is
-        granted twice.
+        holding them to finish; then the transaction's status is asked for
+        (``txid_status``). Committed: every row it updated holds its record, even if
+        another decision has changed the row since (a release that took effect,
+        followed at once by a new owner, is answered released, not lost). Aborted:
+        nothing of it took effect. A row it inserted counts when it equals the written
+        record (its owner digest and decision time make it unique): the insert may
+        have met a row created first by another transaction. Without a status (no
+        row existed to give the transaction an id, or it is still in progress) every
+        row is judged that way. Commands on the keys not found are decided again,
+        against whatever their row holds now; that is safe, and at worst conservative.
+        Commands whose key was not written hold either way. A first write to a new key
+        is the one case where the lock cannot be waited for; the new decision then
+        meets that row through ``INSERT … ON CONFLICT`` and decides against it, so
+        nothing is granted twice.
         """
+        written = attempt.written
         if not written:
             return set()
         wanted = {w.key_id: w for w in written}
@@ -656,15 +673,25 @@ class PostgresStore:
                 async with pool.connection(timeout=max(0.0, deadline - loop.time())) as conn:
                     cursor = await conn.execute(_LOCK_ROWS, (sorted(wanted),))
                     rows = await cursor.fetchall()
+                    status = None
+                    if attempt.txid is not None:
+                        asked = await conn.execute(_TXID_STATUS, (attempt.txid,))
+                        found = await asked.fetchone()
+                        status = None if found is None else found[0]
             except psycopg.OperationalError:
                 if conn is None or not conn.broken or number == _MAX_ATTEMPTS:
                     raise
                 continue  # another dead pooled connection: the read is safe to repeat
-            landed = {
-                key
-                for row in rows
-                if LeaseRecord(key := bytes(row[0]), *row[1:]) == wanted.get(key)
-            }
+            if status == "aborted":
+                landed: set[bytes] = set()
+            else:
+                landed = {
+                    key
+                    for row in rows
+                    if LeaseRecord(key := bytes(row[0]), *row[1:]) == wanted.get(key)
+                }
+                if status == "committed":
+                    landed |= attempt.updated
             if len(landed) == len(wanted):
                 log.info("PostgreSQL store: a cut-off COMMIT had taken effect")
             elif not landed:
