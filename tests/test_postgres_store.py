@@ -222,6 +222,44 @@ def test_a_missing_search_path_schema_is_explained(url: str) -> None:
         asyncio.run(store.open())
 
 
+def test_fence_and_cleanup_create_no_store_in_an_empty_schema(
+    make_store: StoreFactory, url: str
+) -> None:
+    """``leasekeeper fence`` and ``cleanup`` on a URL whose schema holds no leasekeeper
+    tables (a search_path left out or mistyped) are usage errors that create nothing:
+    otherwise a new empty store's counter is raised while the real one stays low. On
+    the real store they work."""
+    from click.testing import CliRunner
+
+    from leasekeeper.cli import main
+
+    empty = new_schema_name()
+    with admin(url) as conn:
+        conn.execute(f'CREATE SCHEMA "{empty}"')
+    try:
+        empty_url = url_with(url, options=f"-csearch_path={empty}")
+        for argv in (["fence", "--raise-to", "9000"], ["cleanup"]):
+            done = CliRunner().invoke(main, [*argv, "--store", empty_url])
+            assert done.exit_code == 2, done.output
+            assert "no leasekeeper store in that PostgreSQL database and schema" in done.output
+            assert url not in done.output
+        with admin(url) as conn:
+            tables = conn.execute(
+                "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE n.nspname = %s",
+                (empty,),
+            ).fetchone()
+        assert tables == (0,)
+    finally:
+        with admin(url) as conn:
+            conn.execute(f'DROP SCHEMA "{empty}" CASCADE')
+    store = make_store("postgres")
+    create_schema(store)
+    real_url = url_with(url, options=f"-csearch_path={store.schema}")  # type: ignore[attr-defined]
+    done = CliRunner().invoke(main, ["fence", "--raise-to", "9000", "--store", real_url])
+    assert done.exit_code == 0 and '"fencing_counter": 9000' in done.output, done.output
+
+
 # -- sessions and the database clock ---------------------------------------------------------
 
 

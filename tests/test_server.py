@@ -371,7 +371,7 @@ def test_fence_command_prints_and_raises_the_counter_never_lowering_it(tmp_path:
     # A path with no store (a typo, the wrong directory) is refused, not created and raised.
     missing = tmp_path / "elsewhere.db"
     refused = _fence_command(missing, "--raise-to", "5")
-    assert refused.returncode == 2 and b"no SQLite store" in refused.stderr, refused
+    assert refused.returncode == 2 and b"no leasekeeper store at" in refused.stderr, refused
     assert not missing.exists()
 
     async def grant() -> int:
@@ -403,7 +403,7 @@ def test_cleanup_refuses_a_sqlite_path_with_no_store(tmp_path: Path) -> None:
     answers "deleted 0" while the real one is never cleaned."""
     missing = tmp_path / "typo.db"
     done = CliRunner().invoke(main, ["cleanup", "--store", f"sqlite:///{missing}"])
-    assert done.exit_code == 2 and "no SQLite store" in done.output, done.output
+    assert done.exit_code == 2 and "no leasekeeper store at" in done.output, done.output
     assert not missing.exists()
 
 

@@ -246,16 +246,28 @@ def _once(
     existing: bool = False,
 ) -> T:
     """Open the store, ``await work(service)``, close it; on failure say so and exit 1.
-    With ``existing``, a SQLite file that is not there is a usage error, not a new store.
-    A memory store is always one: it is empty in every process but the server's."""
+    With ``existing``, a store that is not there (no SQLite file; no leasekeeper tables
+    in the PostgreSQL schema) is a usage error, not a new store. A memory store is
+    always one: it is empty in every process but the server's."""
     service = _service(_settings(store=store))
     if isinstance(service.store, MemoryStore):
         raise click.UsageError(
             f"{command} needs a store that outlives a process: a memory:// store "
             "lives only inside the server that holds it"
         )
-    if existing and isinstance(service.store, SqliteStore) and not service.store.path.exists():
-        raise click.UsageError(f"there is no SQLite store at {service.store.path}")
+    if existing:
+        try:
+            found = asyncio.run(service.store.exists())  # type: ignore[attr-defined]
+        except Exception as exc:
+            click.echo(f"{command} failed: {exc}", err=True)
+            sys.exit(1)
+        if not found:
+            where = (
+                f"at {service.store.path}"
+                if isinstance(service.store, SqliteStore)
+                else "in that PostgreSQL database and schema (check the URL's search_path)"
+            )
+            raise click.UsageError(f"there is no leasekeeper store {where}; none is created")
 
     async def run() -> T:
         await service.start()
@@ -298,7 +310,8 @@ def fence(store: str | None, raise_to: int | None) -> None:
     FenceGuard tables hold: SELECT max(fence) FROM leasekeeper_fences). Otherwise a
     new owner could be given a token that a stale owner still holds. It never lowers
     the counter, and is safe while servers use the store. It creates no store: a SQLite
-    path where there is no file is an error.
+    path where there is no file, or a PostgreSQL schema without leasekeeper's tables,
+    is an error.
     """
     counter = _once(
         "fence", store, lambda service: service.raise_fence(raise_to or 0), existing=True

@@ -134,6 +134,8 @@ _DB_NOW_MS: Final = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint
 # another connection then says whether the transaction committed (PostgreSQL 10+).
 _READ_CLOCK_AND_TXID: Final = f"SELECT {_DB_NOW_MS}, txid_current_if_assigned()"
 _TXID_STATUS: Final = "SELECT txid_status(%s)"
+# In the store's schema (the connection's search_path): leasekeeper's meta table.
+_STORE_EXISTS: Final = "SELECT to_regclass('leasekeeper_meta') IS NOT NULL"
 
 _BEGIN: Final = "BEGIN ISOLATION LEVEL READ COMMITTED"
 # A batch's rows, locked in key order: two batches (of any instances) that share keys
@@ -399,6 +401,20 @@ class PostgresStore:
 
         deleted = await self._run("purge", run)
         return Purged(deleted, b"" if deleted >= limit else None)
+
+    async def exists(self) -> bool:
+        """Whether leasekeeper's tables are in the store's schema already, on a connection
+        of its own and without creating anything: for the operator commands that must
+        not make a new, empty store (``leasekeeper fence``) when the URL names another
+        schema or database than the one the servers use."""
+        try:
+            async with await psycopg.AsyncConnection.connect(self._conninfo) as conn:
+                found = await conn.execute(_STORE_EXISTS)
+                row = await found.fetchone()
+        except psycopg.Error as exc:
+            log.warning("PostgreSQL store: looking for the store failed: %s", _describe(exc))
+            raise ServiceUnavailable("The lease store cannot be reached") from None
+        return row is not None and bool(row[0])
 
     async def ping(self) -> None:
         async def run(conn: Connection, attempt: _Attempt[None]) -> None:

@@ -311,6 +311,11 @@ class SqliteStore:
         counter: int = await self._submit(None, run)
         return counter
 
+    async def exists(self) -> bool:
+        """Whether the store is there already (its file), without creating it: for the
+        operator commands that must not make a new, empty store (``leasekeeper fence``)."""
+        return self.path.exists()
+
     async def ping(self) -> None:
         def run(conn: sqlite3.Connection) -> None:
             conn.execute("SELECT 1").fetchone()
