@@ -288,7 +288,8 @@ def _once(
 def cleanup(store: str | None) -> None:
     """Delete every record whose lifecycle is over, once, and print how many.
 
-    It creates no store: a SQLite path where there is no file is an error."""
+    It creates no store: a SQLite path where there is no file, or a PostgreSQL schema
+    without leasekeeper's tables, is an error."""
     deleted = _once("cleanup", store, LeaseService.cleanup, existing=True)
     click.echo(f'{{"ok": true, "deleted": {deleted}}}')
 
