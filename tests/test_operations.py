@@ -217,23 +217,24 @@ def test_cleanup_walks_the_store_and_pauses_after_each_step_as_long_as_it_took()
 
 
 def test_raising_the_fence_counter_is_bounded_and_timed() -> None:
-    """``LeaseService.raise_fence`` refuses a value outside 0 .. 2^63 - 2 (the last leaves
-    one token to grant) before the store is asked, and reports the call as a store call."""
+    """``LeaseService.raise_fence`` refuses a value outside 0 .. 2^62 (so the counter
+    cannot be brought near running out) before the store is asked, and reports the call
+    as a store call."""
     import asyncio
 
     from leasekeeper import LeaseService
     from leasekeeper._metrics import Metrics
-    from leasekeeper.store import MAX_FENCING_TOKEN
+    from leasekeeper.store import MAX_FENCING_TOKEN, MAX_RAISED_FENCE
 
     store = MemoryStore(FakeClock(0))
     service = LeaseService(store)
     metrics = Metrics()
     service.add_observer(metrics)
-    for wrong in (-1, MAX_FENCING_TOKEN, MAX_FENCING_TOKEN + 1):
+    for wrong in (-1, MAX_RAISED_FENCE + 1, MAX_FENCING_TOKEN - 1, MAX_FENCING_TOKEN):
         with pytest.raises(ValueError, match="at_least"):
             asyncio.run(service.raise_fence(wrong))
     assert asyncio.run(service.raise_fence(0)) == 0
-    assert asyncio.run(service.raise_fence(MAX_FENCING_TOKEN - 1)) == MAX_FENCING_TOKEN - 1
+    assert asyncio.run(service.raise_fence(MAX_RAISED_FENCE)) == MAX_RAISED_FENCE == 2**62
     observed = metrics.registry.get_sample_value(
         "leasekeeper_store_seconds_count", {"operation": "raise_fence"}
     )

@@ -363,7 +363,7 @@ def test_fence_command_prints_and_raises_the_counter_never_lowering_it(tmp_path:
     assert counter("--raise-to", "2") == 3
     assert counter("--raise-to", "1000") == 1000
     assert counter("--raise-to", "999") == 1000
-    for wrong in ("-1", "9223372036854775807", "1e3", "many"):
+    for wrong in ("-1", str(2**62 + 1), "9223372036854775807", "1e3", "many"):
         refused = _fence_command(db, "--raise-to", wrong)
         assert refused.returncode == 2 and b"--raise-to" in refused.stderr, refused
         assert refused.stdout == b""

@@ -47,7 +47,7 @@ from leasekeeper._schemas import (
     RenewBody,
     parse_body,
 )
-from leasekeeper.store import MAX_FENCING_TOKEN, LiveCounter, Purged, Store
+from leasekeeper.store import MAX_RAISED_FENCE, LiveCounter, Purged, Store
 
 __all__ = ["OPERATIONS", "LeaseService", "Reply", "ServiceObserver"]
 
@@ -247,12 +247,12 @@ class LeaseService:
         Every token granted afterwards is above the returned value. For operators
         (``leasekeeper fence --raise-to``): after a backup is restored, or records move
         to another store, tokens issued meanwhile are above what the store remembers,
-        and a new owner could be given one a stale owner still holds. ``at_least`` must
-        leave room for one more token (``0 <= at_least < MAX_FENCING_TOKEN``); without
-        raising, ``raise_fence(0)`` reads the counter.
+        and a new owner could be given one a stale owner still holds. ``at_least`` is
+        from 0 to ``MAX_RAISED_FENCE`` (2**62), so that the counter can never run out
+        of tokens to grant; ``raise_fence(0)`` reads the counter.
         """
-        if not 0 <= at_least < MAX_FENCING_TOKEN:
-            raise ValueError(f"at_least must be from 0 to {MAX_FENCING_TOKEN - 1}")
+        if not 0 <= at_least <= MAX_RAISED_FENCE:
+            raise ValueError(f"at_least must be from 0 to {MAX_RAISED_FENCE}")
         counter: int = await self._timed("raise_fence", self.store.raise_fence(at_least))
         return counter
 

@@ -19,7 +19,7 @@ from leasekeeper._settings import Settings, SettingsError
 from leasekeeper.client._cli import CLIENT_COMMANDS
 from leasekeeper.http._protocol import guard_protocol
 from leasekeeper.store import (
-    MAX_FENCING_TOKEN,
+    MAX_RAISED_FENCE,
     MemoryStore,
     SqliteStore,
     StoreURLError,
@@ -298,7 +298,7 @@ def cleanup(store: str | None) -> None:
 @click.option("--store", default=None, help="Store URL [LEASEKEEPER_STORE].")
 @click.option(
     "--raise-to",
-    type=click.IntRange(0, MAX_FENCING_TOKEN - 1),
+    type=click.IntRange(0, MAX_RAISED_FENCE),
     default=None,
     metavar="N",
     help="First raise the counter to N, unless it is higher already.",

@@ -16,6 +16,7 @@ from urllib.parse import unquote, urlsplit
 from leasekeeper._core.clock import Clock
 from leasekeeper.store._base import (
     MAX_FENCING_TOKEN,
+    MAX_RAISED_FENCE,
     LiveCounter,
     Purged,
     Store,
@@ -26,6 +27,7 @@ from leasekeeper.store._sqlite import SqliteStore
 
 __all__ = [
     "MAX_FENCING_TOKEN",
+    "MAX_RAISED_FENCE",
     "LiveCounter",
     "MemoryStore",
     "Purged",

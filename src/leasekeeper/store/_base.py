@@ -49,6 +49,7 @@ from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
 
 __all__ = [
     "MAX_FENCING_TOKEN",
+    "MAX_RAISED_FENCE",
     "Deadlines",
     "LiveCounter",
     "Purged",
@@ -62,6 +63,10 @@ log = logging.getLogger("leasekeeper.store")
 
 #: Fencing tokens are positive integers below 2**63.
 MAX_FENCING_TOKEN = 2**63 - 1
+#: The highest an operator may raise the fencing counter to (``raise_fence``): far
+#: above any store's real use, and far enough below ``MAX_FENCING_TOKEN`` that the
+#: counter can never run out (2**62 grants more: 146,000 years at a million a second).
+MAX_RAISED_FENCE = 2**62
 
 
 class Purged(NamedTuple):
