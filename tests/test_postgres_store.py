@@ -260,6 +260,24 @@ def test_fence_and_cleanup_create_no_store_in_an_empty_schema(
     assert done.exit_code == 0 and '"fencing_counter": 9000' in done.output, done.output
 
 
+def test_a_store_that_cannot_connect_says_why(url: str) -> None:
+    """Not only the pool's "initialization incomplete": libpq's own reason (refused, no
+    such database), so that a mistyped URL is found from the one error line."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        closed_port = free.getsockname()[1]
+    parts = urlsplit(url)
+    no_database = urlunsplit(parts._replace(path="/leasekeeper_no_such_database"))
+    for wrong, why in (
+        (url_with(url, port=closed_port), "Connection refused"),
+        (no_database, 'database "leasekeeper_no_such_database" does not exist'),
+    ):
+        store = open_store(wrong, timeout_seconds=1)
+        with pytest.raises(ServiceUnavailable, match="Cannot open the PostgreSQL store") as failed:
+            asyncio.run(store.open())
+        assert why in str(failed.value)
+
+
 # -- sessions and the database clock ---------------------------------------------------------
 
 

@@ -95,7 +95,7 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
         _http_protocol(), settings.request_timeout_seconds, on_timeout=slow_headers.inc
     )
     log.info(
-        "leasekeeper listening on http://%s:%d (store scheme %s)",
+        "leasekeeper starting on http://%s:%d (store scheme %s)",
         settings.host,
         settings.port,
         settings.store.partition(":")[0],

@@ -56,7 +56,7 @@ import psycopg
 from psycopg import errors as pg_errors
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import TupleRow
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from leasekeeper._core.clock import Clock
 from leasekeeper._core.model import Command, Decision, LeaseRecord
@@ -345,12 +345,29 @@ class PostgresStore:
                         "Cannot open the PostgreSQL store: the search_path names no existing "
                         "schema to create the tables in"
                     ) from exc
+                if isinstance(exc, PoolTimeout):  # the pool says only that it gave up
+                    reason = await self._why_no_connection() or _describe(exc)
+                    log.error("cannot open the PostgreSQL store: %s", reason)
+                    raise ServiceUnavailable(f"Cannot open the PostgreSQL store: {reason}") from exc
                 if isinstance(exc, psycopg.Error | TimeoutError):
                     reason = _describe(exc) if isinstance(exc, psycopg.Error) else "timed out"
                     log.error("cannot open the PostgreSQL store: %s", reason)
                     raise ServiceUnavailable(f"Cannot open the PostgreSQL store: {reason}") from exc
                 raise
             self._pool = pool
+
+    async def _why_no_connection(self) -> str | None:
+        """Why a connection cannot be made (libpq's reason: refused, no such database or
+        role, authentication failed), from one attempt of its own; None if it can."""
+        try:
+            async with asyncio.timeout(self._timeout):
+                conn = await psycopg.AsyncConnection.connect(self._conninfo)
+                await conn.close()
+        except psycopg.Error as exc:
+            return _describe(exc)
+        except TimeoutError:
+            return "connecting timed out"
+        return None
 
     async def close(self) -> None:
         async with self._open_lock:
