@@ -44,6 +44,7 @@ from leasekeeper.client._sync import (
     OnWait,
     Wait,
     _complete_deadline,
+    _complete_delay,
 )
 from leasekeeper.client._timing import RenewalPlan, acquire_delay, as_seconds
 
@@ -284,18 +285,10 @@ class AsyncLeaseClient:
             except _PASSING as error:
                 now = self._monotonic()
                 if attempt == 0:
-                    deadline = now + _complete_deadline(lease, now)
-                delay = acquire_delay(
-                    attempt, error.retry_after or 0, deadline - now, self._random(), held=False
-                )
+                    deadline = _complete_deadline(lease, now)
+                delay = _complete_delay(error, attempt, deadline - now, self._random())
                 if delay is None:
                     raise
-                log.warning(
-                    "storing the result failed (%s: %s); retrying in %.1f s",
-                    error.status,
-                    error.error,
-                    delay,
-                )
                 await self._signal_factory().wait(delay)
                 attempt += 1
 

@@ -84,11 +84,25 @@ def current_lease() -> HeldLease | AsyncHeldLease:
 
 
 def _complete_deadline(lease: HeldLease | AsyncHeldLease, now: float) -> float:
-    """How long ``once`` may go on retrying a ``complete``: while the lease is held by
-    the local estimate, and at most one TTL after the first failure."""
+    """Until when ``once`` may go on retrying a ``complete`` that failed at ``now``:
+    while the lease is held by the local estimate, and at most one TTL."""
     renewer = lease.renewer
     expires = renewer.plan.expires_at if renewer is not None else now
-    return min(expires, now + lease._ttl) - now
+    return min(expires, now + lease._ttl)
+
+
+def _complete_delay(error: LeaseError, attempt: int, remaining: float, rand: float) -> float | None:
+    """The pause before retrying a ``complete`` refused with ``error`` (None: give up),
+    as ``acquire`` waits out an outage; said in a WARNING."""
+    delay = acquire_delay(attempt, error.retry_after or 0, remaining, rand, held=False)
+    if delay is not None:
+        log.warning(
+            "storing the result failed (%s: %s); retrying in %.1f s",
+            error.status,
+            error.error,
+            delay,
+        )
+    return delay
 
 
 _NOT_OWNED = (
@@ -350,18 +364,10 @@ class LeaseClient:
             except _PASSING as error:
                 now = self._monotonic()
                 if attempt == 0:
-                    deadline = now + _complete_deadline(lease, now)
-                delay = acquire_delay(
-                    attempt, error.retry_after or 0, deadline - now, self._random(), held=False
-                )
+                    deadline = _complete_deadline(lease, now)
+                delay = _complete_delay(error, attempt, deadline - now, self._random())
                 if delay is None:
                     raise
-                log.warning(
-                    "storing the result failed (%s: %s); retrying in %.1f s",
-                    error.status,
-                    error.error,
-                    delay,
-                )
                 self._event_factory().wait(delay)
                 attempt += 1
 
