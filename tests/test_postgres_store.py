@@ -233,16 +233,23 @@ def test_fence_and_cleanup_create_no_store_in_an_empty_schema(
 
     from leasekeeper.cli import main
 
+    real = make_store("postgres")
+    create_schema(real)
     empty = new_schema_name()
     with admin(url) as conn:
         conn.execute(f'CREATE SCHEMA "{empty}"')
     try:
-        empty_url = url_with(url, options=f"-csearch_path={empty}")
-        for argv in (["fence", "--raise-to", "9000"], ["cleanup"]):
-            done = CliRunner().invoke(main, [*argv, "--store", empty_url])
-            assert done.exit_code == 2, done.output
-            assert "no leasekeeper store in that PostgreSQL database and schema" in done.output
-            assert url not in done.output
+        # The real store on the search_path too, but behind the empty schema, where the
+        # tables would be created: still no store there.
+        for path in (empty, f"{empty},{real.schema}"):  # type: ignore[attr-defined]
+            empty_url = url_with(url, options=f"-csearch_path={path}")
+            for argv in (["fence", "--raise-to", "9000"], ["cleanup"]):
+                done = CliRunner().invoke(main, [*argv, "--store", empty_url])
+                assert done.exit_code == 2, done.output
+                assert "no leasekeeper store in that PostgreSQL database and schema" in (
+                    done.output
+                )
+                assert url not in done.output
         with admin(url) as conn:
             tables = conn.execute(
                 "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
@@ -253,9 +260,7 @@ def test_fence_and_cleanup_create_no_store_in_an_empty_schema(
     finally:
         with admin(url) as conn:
             conn.execute(f'DROP SCHEMA "{empty}" CASCADE')
-    store = make_store("postgres")
-    create_schema(store)
-    real_url = url_with(url, options=f"-csearch_path={store.schema}")  # type: ignore[attr-defined]
+    real_url = url_with(url, options=f"-csearch_path={real.schema}")  # type: ignore[attr-defined]
     done = CliRunner().invoke(main, ["fence", "--raise-to", "9000", "--store", real_url])
     assert done.exit_code == 0 and '"fencing_counter": 9000' in done.output, done.output
 

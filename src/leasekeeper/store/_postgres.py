@@ -134,8 +134,12 @@ _DB_NOW_MS: Final = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint
 # another connection then says whether the transaction committed (PostgreSQL 10+).
 _READ_CLOCK_AND_TXID: Final = f"SELECT {_DB_NOW_MS}, txid_current_if_assigned()"
 _TXID_STATUS: Final = "SELECT txid_status(%s)"
-# In the store's schema (the connection's search_path): leasekeeper's meta table.
-_STORE_EXISTS: Final = "SELECT to_regclass('leasekeeper_meta') IS NOT NULL"
+# Leasekeeper's meta table in the schema its tables are created in (current_schema():
+# the first schema of the search_path that exists), not anywhere on the search_path.
+_STORE_EXISTS: Final = (
+    "SELECT EXISTS (SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+    "WHERE n.nspname = current_schema() AND c.relname = 'leasekeeper_meta')"
+)
 
 _BEGIN: Final = "BEGIN ISOLATION LEVEL READ COMMITTED"
 # A batch's rows, locked in key order: two batches (of any instances) that share keys
