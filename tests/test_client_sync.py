@@ -417,7 +417,9 @@ def test_a_ttl_that_is_not_an_int_is_refused_before_acquiring(
     assert isinstance(client.acquire(namespace, KEY), Lease)
 
 
-class _NoThreads(ManualThread):
+class _NoThreads(threading.Thread):
+    """A real thread that cannot start (as when the process is out of threads)."""
+
     def start(self) -> None:
         raise RuntimeError("can't start new thread")
 

@@ -194,8 +194,8 @@ class RenewalWorker:
         return self._stop.is_set()
 
     def start(self) -> None:
-        self._started = True
         self._thread.start()
+        self._started = True  # only now: a thread that never started cannot be joined
 
     def stop(self) -> None:
         """End renewal now; waits for a renewal in flight (up to the request timeout)."""
