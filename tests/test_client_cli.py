@@ -132,6 +132,10 @@ def test_acquire_renew_complete_with_exit_codes(cli: Cli, tmp_path: Path) -> Non
         ("NaN", "NaN is not JSON"),
         ('{"a": 1, "a": 2}', "an object repeats a name"),
         ('{"a": ', "Expecting value"),
+        ('{"a": 1e400}', "too large for a double"),
+        ("-1e999", "too large for a double"),
+        ('"\\ud800"', "lone surrogate"),
+        ("[" * 70 + "]" * 70, "deeper than 64"),
     ],
 )
 def test_complete_refuses_a_result_the_service_would_not_take(

@@ -137,6 +137,24 @@ def test_integers_past_64_bits_come_back_exactly(client: LeaseClient, namespace:
     assert again.result == big and type(again.result["negative"]) is int
 
 
+def test_a_result_nested_as_deep_as_the_service_takes_comes_back(
+    client: LeaseClient, namespace: str
+) -> None:
+    """63 levels below the request's top (64 in all) is stored; the reply, as deep, is
+    read back (the client checks replies by the service's rules, and must not refuse
+    what the service itself sent)."""
+    deep: Any = 1
+    for _ in range(63):
+        deep = [deep]
+    lease = client.acquire(namespace, KEY)
+    assert isinstance(lease, Lease)
+    assert client.complete(namespace, KEY, lease.owner_token, deep).result == deep
+    other = client.acquire(namespace, "other")
+    assert isinstance(other, Lease)
+    with pytest.raises(InvalidRequest, match="deeper than 64"):
+        client.complete(namespace, "other", other.owner_token, [deep])
+
+
 _CYCLE: list[Any] = []
 _CYCLE.append(_CYCLE)  # a list that contains itself
 

@@ -13,7 +13,13 @@ from typing import Any
 
 import httpx
 
-from leasekeeper._errors import LeaseError, ServiceUnreachable, error_from_body
+from leasekeeper._core.validation import check_tree
+from leasekeeper._errors import (
+    InvalidRequest,
+    LeaseError,
+    ServiceUnreachable,
+    error_from_body,
+)
 
 __all__ = [
     "BASE_PATH",
@@ -112,16 +118,23 @@ _decoder = json.JSONDecoder(parse_constant=_no_constant, object_pairs_hook=_uniq
 
 
 def decode(text: bytes | str) -> Any:
-    """Strict JSON, as the service reads it: no NaN or infinities, no repeated names;
-    raises ``ValueError`` for anything else (too deep included).
+    """Strict JSON, as the service reads it: no NaN, no number too large for a double
+    (``1e400``), no repeated names, no lone surrogate, nesting at most 64 levels;
+    raises ``ValueError`` for anything else.
 
     Python's ``json``, not orjson: orjson reads an integer past 64 bits as a float,
     so a result the service stores and returns exactly (``10**30 + 1``) would come
     back as ``1e+30``."""
     try:
-        return _decoder.decode(text.decode("utf-8") if isinstance(text, bytes) else text)
+        value = _decoder.decode(text.decode("utf-8") if isinstance(text, bytes) else text)
+        # The service's own rules for what parsing lets by (a response is an object,
+        # checked as it is: its result nests one level below the top, as in the request).
+        check_tree(value if isinstance(value, dict) else {"value": value})
     except RecursionError:
         raise ValueError("nested too deeply") from None
+    except InvalidRequest as error:
+        raise ValueError(error.error.removeprefix("Body is not valid JSON: ")) from None
+    return value
 
 
 def _why(exc: Exception) -> str:
