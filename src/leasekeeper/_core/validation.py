@@ -20,6 +20,7 @@ from leasekeeper._errors import InvalidRequest, PayloadTooLarge
 __all__ = [
     "MAX_DEPTH",
     "MAX_RESULT_BYTES",
+    "NOT_AN_OBJECT",
     "check_bare_key",
     "check_namespaced_key",
     "check_text",
@@ -32,6 +33,8 @@ __all__ = [
 ]
 
 MAX_DEPTH = 64
+#: What ``parse_json_object`` says of JSON that is valid but not an object.
+NOT_AN_OBJECT = "Body must be a JSON object"
 MAX_RESULT_BYTES = 32_768
 MIN_BARE_KEY_BITS = 100.0
 
@@ -154,7 +157,7 @@ def _parse_strict(body: bytes) -> dict[str, Any]:
             f"Body is not valid JSON: a number has more than {sys.get_int_max_str_digits()} digits"
         ) from None
     if not isinstance(value, dict):
-        raise InvalidRequest("Body must be a JSON object")
+        raise InvalidRequest(NOT_AN_OBJECT)
     check_tree(value)
     return value
 

@@ -67,6 +67,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from leasekeeper._core.secrets import NAMESPACE_PREFIX, OWNER_PREFIX
 from leasekeeper._core.validation import (
     MAX_RESULT_BYTES,
+    NOT_AN_OBJECT,
     check_tree,
     check_unique_names,
     parse_json_object,
@@ -612,6 +613,7 @@ def _parse_error(message: str) -> Response:
 
 
 _NOT_JSON_RPC = "Validation error: the message is not a valid JSON-RPC request"
+_BOM = "\ufeff".encode()
 
 
 def _sdk_errors_as_json(send: Send) -> Send:
@@ -701,7 +703,10 @@ class StrictStdin:
     ``/mcp``; one that is JSON but not a JSON-RPC message, or is longer than
     ``max_bytes``, the invalid-request error (-32600). Each answer carries the
     message's ``id`` where a lenient reading finds exactly one, so the peer's call
-    fails at once, and ``null`` otherwise, as JSON-RPC says. Blank lines are skipped.
+    fails at once, and ``null`` otherwise, as JSON-RPC says. Blank lines are skipped,
+    and a byte-order mark is ignored, as before an HTTP body. An ``id`` that is not an
+    integer or a string is refused too (the SDK took such a request for a notification
+    and answered nothing).
     """
 
     def __init__(self, source: BinaryIO, max_bytes: int) -> None:
@@ -730,16 +735,24 @@ class StrictStdin:
                     sentence = f"the message is larger than {self._max_bytes} bytes"
                     await self._refuse(None, types.INVALID_REQUEST, f"Invalid request: {sentence}")
                     continue
+                line = line.removeprefix(_BOM)  # ignored, as before a body; the SDK would not
                 if not line.strip():
                     continue
                 try:
                     message = parse_json_object(line)
                 except InvalidRequest as error:
-                    sentence = f"Parse error: {error.error}"
-                    await self._refuse(_lenient_id(line), types.PARSE_ERROR, sentence)
+                    if error.error == NOT_AN_OBJECT:  # JSON, but no JSON-RPC message
+                        await self._refuse(None, types.INVALID_REQUEST, _NOT_JSON_RPC)
+                    else:
+                        sentence = f"Parse error: {error.error}"
+                        await self._refuse(_lenient_id(line), types.PARSE_ERROR, sentence)
                     continue
                 try:
                     types.jsonrpc_message_adapter.validate_python(message, by_name=False)
+                    # An id that is not an integer or a string made the SDK take the
+                    # request for a notification, and answer nothing.
+                    if "id" in message and _id_of(message) is None:
+                        raise ValueError("an id must be an integer or a string")
                 except ValueError:  # pydantic's ValidationError; its text quotes the input
                     await self._refuse(_id_of(message), types.INVALID_REQUEST, _NOT_JSON_RPC)
                     continue
