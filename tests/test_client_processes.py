@@ -111,6 +111,32 @@ def test_many_processes_run_the_job_exactly_once(server: str, tmp_path: Path) ->
     assert all(err == b"" for _, err in outputs)  # quiet in pipes
 
 
+# ``run`` as a subreaper (as PID 1 in a container is): orphans of the command become
+# its children, and their zombies its to reap. PR_SET_CHILD_SUBREAPER is 36 (Linux).
+_AS_SUBREAPER = (
+    "import ctypes, sys; ctypes.CDLL(None).prctl(36, 1, 0, 0, 0); "
+    "from leasekeeper.cli import main; sys.argv[0] = 'leasekeeper'; main()"
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_leftovers_that_become_runs_own_zombies_are_reaped(server: str, tmp_path: Path) -> None:
+    """When ``run`` inherits the command's orphans, their zombies (ended on SIGTERM) do
+    not keep the group alive: cleanup ends at once instead of waiting out --grace."""
+    env = cli_env(server, LEASEKEEPER_NAMESPACE=mint(server))
+    pid = tmp_path / "pid"
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", _AS_SUBREAPER, "run", "--key", "reap", "--grace", "20", "--",
+         "sh", "-c", f"sleep 60 & echo $! > {pid}; exit 0"],
+        env=env, capture_output=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - started < 15, "waited for --grace on a zombie"
+    assert b"left processes in its group" in done.stderr
+    assert not Path(f"/proc/{int(pid.read_text())}").exists()
+
+
 def test_the_lifecycle_end_stops_the_command(tmp_path: Path) -> None:
     """A lease cannot outlive its key's lifecycle: at the end the command is stopped (11)."""
     with serve(tmp_path, LEASEKEEPER_LIFECYCLE_SECONDS="3") as url:

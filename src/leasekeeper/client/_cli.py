@@ -514,7 +514,15 @@ def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
 
 
 def _group_alive(process: subprocess.Popen[bytes]) -> bool:
-    """Whether any process is left in the command's process group."""
+    """Whether any process is left in the command's process group.
+
+    Once the command itself has been waited for, the group's zombies that are ``run``'s
+    own children (``run`` as PID 1 in a container, or a subreaper, inherits the orphans)
+    are reaped first: a zombie has ended, but would still count for ``killpg``."""
+    if process.returncode is not None:
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-process.pid, os.WNOHANG)[0]:
+                pass
     try:
         os.killpg(process.pid, 0)
     except ProcessLookupError:
@@ -717,8 +725,9 @@ def _run_held(
             why = f"cannot run the command: {exc.strerror}"
             _print_json({"ok": False, "status": "error", "error": why}, err=True)
             return EXIT_NOT_STARTED
+        arrived = list(received)  # while it was starting; from here the handler passes on
         started.append(process)
-        for signum in received:  # arrived while it was starting
+        for signum in arrived:
             _signal_group(process, signum)
 
         def watch() -> None:
