@@ -685,15 +685,14 @@ class PostgresStore:
 
         The rows are read with ``FOR UPDATE``, which waits for a transaction still
         holding them to finish; then the transaction's status is asked for
-        (``txid_status``). Committed: every row it updated holds its record, even if
-        another decision has changed the row since (a release that took effect,
-        followed at once by a new owner, is answered released, not lost). Aborted:
-        nothing of it took effect. A row it inserted counts when it equals the written
-        record (its owner digest and decision time make it unique): the insert may
-        have met a row created first by another transaction. Without a status (no
-        row existed to give the transaction an id, or it is still in progress) every
-        row is judged that way. Commands on the keys not found are decided again,
-        against whatever their row holds now; that is safe, and at worst conservative.
+        (``txid_status``). A row that equals the written record took effect (its owner
+        digest and decision time make it unique), unless the transaction aborted. A
+        committed transaction's release or complete also took effect when a new owner
+        has taken the key since (``_ended_and_since``): such a release is answered
+        released, not lost. Without a status (no row existed to give the transaction
+        an id, or it is still in progress) only equal rows count. Commands on the keys
+        not found are decided again, against whatever their row holds now; that is
+        safe, and at worst conservative.
         Commands whose key was not written hold either way. A first write to a new key
         is the one case where the lock cannot be waited for; the new decision then
         meets that row through ``INSERT … ON CONFLICT`` and decides against it, so
@@ -719,16 +718,15 @@ class PostgresStore:
                 if conn is None or not conn.broken or number == _MAX_ATTEMPTS:
                     raise
                 continue  # another dead pooled connection: the read is safe to repeat
+            current = {bytes(row[0]): LeaseRecord(bytes(row[0]), *row[1:]) for row in rows}
             if status == "aborted":
                 landed: set[bytes] = set()
             else:
-                landed = {
-                    key
-                    for row in rows
-                    if LeaseRecord(key := bytes(row[0]), *row[1:]) == wanted.get(key)
-                }
+                landed = {key for key, record in current.items() if record == wanted.get(key)}
                 if status == "committed":
-                    landed |= attempt.updated
+                    landed |= {
+                        key for key in attempt.updated if _ended_and_since(wanted[key], current)
+                    }
             if len(landed) == len(wanted):
                 log.info("PostgreSQL store: a cut-off COMMIT had taken effect")
             elif not landed:
@@ -876,6 +874,18 @@ def _split(
         else:
             answered.append((pending, outcome))
     return _Batch(answered, again)
+
+
+def _ended_and_since(written: LeaseRecord, current: dict[bytes, LeaseRecord]) -> bool:
+    """Whether ``written``, a record that ended its owner (a release or a complete), has
+    since been followed by a new owner: its row now holds a higher fence.
+
+    Only for a transaction known to have committed (``txid_status``), and only for such
+    a record: were that status wrong (a transaction id used again after a failover to
+    an asynchronous standby), answering such a release or complete as done would tell
+    its caller only that it no longer owns the key, which a new owner proves anyway."""
+    now = current.get(written.key_id)
+    return written.owner is None and now is not None and now.fencing_token > written.fencing_token
 
 
 def _first_int(row: TupleRow | None) -> int:
