@@ -1011,6 +1011,26 @@ def test_a_release_that_took_effect_is_released_even_once_a_new_owner_holds_the_
     assert "a cut-off COMMIT had taken effect" in caplog.text
 
 
+def test_only_an_ended_owner_followed_by_a_new_one_counts_without_its_row() -> None:
+    """After a committed cut-off COMMIT, a row that changed since confirms a release or
+    complete (owner cleared) followed by a higher fence, never a renew or a grant: a
+    reused transaction id must not tell an owner it holds a lease it lost."""
+    from leasekeeper._core.model import LeaseRecord
+    from leasekeeper.store._postgres import _ended_and_since
+
+    key = new_id()
+
+    def record(fence: int, owner: bytes | None) -> LeaseRecord:
+        return LeaseRecord(key, None, 10_000, fence, owner, 5_000, None, None, 1_000)
+
+    released, renewed = record(4, None), record(4, new_id())
+    newer = {key: record(5, new_id())}
+    assert _ended_and_since(released, newer)
+    assert not _ended_and_since(renewed, newer)
+    assert not _ended_and_since(released, {key: record(4, new_id())})
+    assert not _ended_and_since(released, {})
+
+
 def test_a_commit_that_never_arrived_is_decided_again(
     make_store: StoreFactory,
     url: str,
