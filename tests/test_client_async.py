@@ -315,17 +315,44 @@ def test_async_once_runs_once_across_tasks(run_app: Callable[..., None]) -> None
 
 
 class _CompleteFailsOnce(httpx.AsyncBaseTransport):
-    """The first /lease/complete gets no answer; everything else reaches the app."""
+    """The first /lease/complete gets no answer (``landed``: it reached the app first,
+    and only its answer was lost); everything else reaches the app."""
 
-    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+    def __init__(self, inner: httpx.AsyncBaseTransport, *, landed: bool = False) -> None:
         self.inner = inner
+        self.landed = landed
         self.failed = False
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.path.endswith("/complete") and not self.failed:
             self.failed = True
+            if self.landed:
+                await self.inner.handle_async_request(request)
+                raise httpx.ReadTimeout("the answer was lost", request=request)
             raise httpx.ConnectError("reset", request=request)
         return await self.inner.handle_async_request(request)
+
+
+def test_async_once_finds_the_result_its_lost_answer_stored(
+    run_app: Callable[..., None], fake_time: FakeTime
+) -> None:
+    """As in the sync client: a retry told lost finds its own completion and returns it."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        client = fake_client(_CompleteFailsOnce(transport, landed=True), fake_time)
+        namespace = await client.create_namespace()
+        calls: list[int] = []
+
+        @client.once(namespace, key="charge:10")
+        async def charge() -> int:
+            calls.append(1)
+            return 10
+
+        assert await charge() == 10
+        assert await charge() == 10
+        assert calls == [1]
+
+    run_app(scenario)
 
 
 def test_async_once_gives_its_lease_and_stores_through_a_blip(

@@ -498,6 +498,31 @@ def test_run_complete_is_retried_and_a_failure_still_says_the_status(cli: Cli) -
     assert report["status"] == "invalid" and report["exit_code"] == 7
 
 
+def test_run_complete_whose_answer_was_lost_still_records_and_passes_the_status(
+    cli: Cli,
+) -> None:
+    """The status was stored but the answer lost (a read timeout): the retry, told lost,
+    finds its own completion, and run exits with the command's status, not 11."""
+    inner = bridge(cli.api)
+    left = [1]
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        if request.url.path.endswith("/complete") and left[0]:
+            left[0] -= 1
+            inner.handle_request(request)
+            raise httpx.ReadTimeout("the answer was lost", request=request)
+        return None
+
+    cli.client = lambda url=BASE_URL, timeout=10.0: LeaseClient(  # type: ignore[method-assign]
+        BASE_URL, transport=bridge(cli.api, fault), timeout=timeout
+    )
+    result = cli("run", "--key", "lostanswer", "--complete", "--", "sh", "-c", "exit 6")
+    assert result.exit_code == 6, result.output
+    recorded = cli("acquire", "--key", "lostanswer")
+    assert recorded.exit_code == EXIT_COMPLETED
+    assert cli.json(recorded)["result"] == {"exit_code": 6}
+
+
 def test_ctrl_c_while_waiting_exits_130(cli: Cli) -> None:
     """SIGINT while acquire --wait waits is 130, as a shell reports it, not click's 1."""
     assert cli("acquire", "--key", "busy", "--ttl", "60").exit_code == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -281,7 +282,7 @@ class AsyncLeaseClient:
         attempt, deadline = 0, math.inf
         while True:
             try:
-                return await lease.complete(value)
+                return await lease._complete(value, retried=attempt > 0)
             except _PASSING as error:
                 now = self._monotonic()
                 if attempt == 0:
@@ -446,16 +447,23 @@ class AsyncHeldLease:
 
     async def complete(self, result: Any) -> Any:
         """Store ``result`` and end ownership for good; returns the stored (redacted) result."""
-        self.check()
+        return await self._complete(result, retried=False)
+
+    async def _complete(self, result: Any, *, retried: bool) -> Any:
+        """As ``HeldLease._complete``."""
+        if not retried:
+            self.check()
         async with self._lock:
             try:
-                done = await self._client.complete(
+                done: Completed | None = await self._client.complete(
                     self._namespace, self._key, self._token(), result
                 )
             except LeaseLost as error:
-                lost: LeaseLost | None = error
+                done = await self._stored_by_us() if retried else None
+                lost: LeaseLost | None = error if done is None else None
             else:
                 lost = None
+            if done is not None:
                 self._ended = True
                 self.completion, self.completed, self.result = done, True, done.result
         if lost is not None:
@@ -464,6 +472,21 @@ class AsyncHeldLease:
         if self.renewer is not None:
             await self.renewer.stop()
         return self.result
+
+    async def _stored_by_us(self) -> Completed | None:
+        """As ``HeldLease._stored_by_us``."""
+        try:
+            found = await self._client.acquire(
+                self._namespace, self._key, ttl=1, fingerprint=self._fingerprint
+            )
+        except LeaseError:
+            return None
+        if isinstance(found, Completed):
+            ours = self.grant is not None and found.fencing_token == self.grant.fencing_token
+            return found if ours else None
+        with contextlib.suppress(LeaseError):
+            await self._client.release(self._namespace, self._key, found.owner_token)
+        return None
 
     async def release(self) -> None:
         """Release the lease now, before the block ends (``LeaseLost`` if it was lost)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import logging
@@ -360,7 +361,7 @@ class LeaseClient:
         attempt, deadline = 0, math.inf
         while True:
             try:
-                return lease.complete(value)
+                return lease._complete(value, retried=attempt > 0)
             except _PASSING as error:
                 now = self._monotonic()
                 if attempt == 0:
@@ -537,14 +538,25 @@ class HeldLease:
         A result over 32 KiB raises ``PayloadTooLarge`` and leaves the lease held
         and renewed; a lost lease raises ``LeaseLost``.
         """
-        self.check()
+        return self._complete(result, retried=False)
+
+    def _complete(self, result: Any, *, retried: bool) -> Any:
+        """``complete``; ``retried`` when an earlier attempt's answer was lost, so that it
+        may have stored the result: then the service decides (no local check first), and
+        a ``lost`` is looked into (``_stored_by_us``) before it is believed."""
+        if not retried:
+            self.check()
         with self._lock:
             try:
-                done = self._client.complete(self._namespace, self._key, self._token(), result)
+                done: Completed | None = self._client.complete(
+                    self._namespace, self._key, self._token(), result
+                )
             except LeaseLost as error:
-                lost: LeaseLost | None = error
+                done = self._stored_by_us() if retried else None
+                lost: LeaseLost | None = error if done is None else None
             else:
                 lost = None
+            if done is not None:
                 self._ended = True
                 self.completion, self.completed, self.result = done, True, done.result
         if lost is not None:
@@ -553,6 +565,26 @@ class HeldLease:
         if self.renewer is not None:
             self.renewer.stop()
         return self.result
+
+    def _stored_by_us(self) -> Completed | None:
+        """After a retried complete answered ``lost``: the result an earlier attempt of
+        this owner stored (its answer lost on the way), or None.
+
+        Looked up as any worker would, with an acquire of the key and fingerprint: the
+        key completed with this owner's fence is ours. A key found free (this lease had
+        ended) is let go again at once, and one held by another owner is not ours."""
+        try:
+            found = self._client.acquire(
+                self._namespace, self._key, ttl=1, fingerprint=self._fingerprint
+            )
+        except LeaseError:
+            return None
+        if isinstance(found, Completed):
+            ours = self.grant is not None and found.fencing_token == self.grant.fencing_token
+            return found if ours else None
+        with contextlib.suppress(LeaseError):
+            self._client.release(self._namespace, self._key, found.owner_token)
+        return None
 
     def release(self) -> None:
         """Release the lease now, before the block ends (``LeaseLost`` if it was lost)."""
