@@ -11,6 +11,7 @@ import logging
 import os
 import secrets
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -975,6 +976,9 @@ class _StdioPeer:
         if self.process.poll() is None:  # a failed assertion left it running
             self.process.kill()
             self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                pipe.close()
 
     def send(self, line: bytes) -> None:
         assert self.process.stdin is not None
@@ -1074,3 +1078,16 @@ def test_stdio_refuses_what_the_api_refuses_and_answers_every_line(tmp_path: Pat
             assert granted["result"]["structuredContent"]["status"] == "held"
             assert granted["result"]["structuredContent"]["fencing_token"] == request_id - 11
         assert peer.close() == 0
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_the_stdio_server_while_its_stdin_stays_open(tmp_path: Path) -> None:
+    """SIGINT ends ``leasekeeper mcp`` even while its peer keeps stdin open: the line
+    reader is a daemon thread, not one the interpreter waits for at exit."""
+    with (
+        (tmp_path / "stdio.log").open("w") as errlog,
+        _StdioPeer(tmp_path / "c.db", errlog) as peer,
+    ):
+        assert peer.answer(b'{"jsonrpc":"2.0","id":1,"method":"ping"}')["id"] == 1
+        peer.process.send_signal(signal.SIGINT)
+        assert peer.process.wait(FLOW_TIMEOUT) in (0, 1, -signal.SIGINT)

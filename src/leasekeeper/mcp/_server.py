@@ -38,14 +38,18 @@ tokens, fingerprints and results.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import importlib.metadata
 import json
 import logging
+import os
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Final, cast
+from typing import Any, Final, cast
 
 import anyio
 import orjson
@@ -674,7 +678,7 @@ async def serve_stdio(
     one longer than ``max_message_bytes`` is refused as a body that size would be.
     """
     server = create_mcp_server(service)
-    stdin = StrictStdin(sys.stdin.buffer, max_message_bytes)
+    stdin = StrictStdin(sys.stdin.fileno(), max_message_bytes)
     await service.start()
     try:
         async with anyio.create_task_group() as tasks:
@@ -709,8 +713,8 @@ class StrictStdin:
     and answered nothing).
     """
 
-    def __init__(self, source: BinaryIO, max_bytes: int) -> None:
-        self._source = source
+    def __init__(self, fd: int, max_bytes: int) -> None:
+        self._reader = _FdLines(fd, max_bytes)
         self._max_bytes = max_bytes
         self._answers: Any = None
         self._ready = anyio.Event()
@@ -724,11 +728,28 @@ class StrictStdin:
         return self._lines()
 
     async def _lines(self) -> AsyncIterator[str]:
+        # Lines come from a daemon thread of their own: one blocked reading stdin must
+        # not keep the process from exiting (on Ctrl-C, say), as a worker thread of
+        # anyio's, which the interpreter waits for at exit, did.
+        lines: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=8)
+        loop = asyncio.get_running_loop()
+
+        def pump() -> None:
+            line: bytes | None = None
+            while line != b"":
+                try:
+                    line = self._reader.readline()
+                except OSError:
+                    line = b""
+                try:
+                    asyncio.run_coroutine_threadsafe(lines.put(line), loop).result()
+                except (RuntimeError, concurrent.futures.CancelledError):
+                    return  # the loop is closed or closing: nobody reads any more
+
+        threading.Thread(target=pump, name="leasekeeper-mcp-stdin", daemon=True).start()
         try:
             while True:
-                line = await anyio.to_thread.run_sync(
-                    _read_line, self._source, self._max_bytes, abandon_on_cancel=True
-                )
+                line = await lines.get()
                 if line == b"":
                     return
                 if line is None:
@@ -768,15 +789,35 @@ class StrictStdin:
         await self._answers.send(SessionMessage(reply))
 
 
-def _read_line(source: BinaryIO, max_bytes: int) -> bytes | None:
-    """The next line of ``source`` (``b""`` at its end), or None for a line longer than
-    ``max_bytes`` (without its newline), which is read to its end and dropped."""
-    line = source.readline(max_bytes + 1)
-    if len(line) <= max_bytes or line.endswith(b"\n"):
-        return line
-    while (rest := source.readline(65_536)) and not rest.endswith(b"\n"):
-        pass
-    return None
+class _FdLines:
+    """Lines from a file descriptor, read with ``os.read``: no buffered file object,
+    whose lock a daemon thread blocked in a read would hold when the interpreter
+    closes it at exit (a fatal error)."""
+
+    def __init__(self, fd: int, max_bytes: int) -> None:
+        self._fd = fd
+        self._max_bytes = max_bytes
+        self._buffer = bytearray()
+
+    def readline(self) -> bytes | None:
+        """The next line (``b""`` at the end), or None for a line longer than
+        ``max_bytes`` without its newline, which is read to its end and dropped."""
+        too_long = False
+        while True:
+            end = self._buffer.find(b"\n")
+            if end >= 0:
+                line = bytes(self._buffer[: end + 1])
+                del self._buffer[: end + 1]
+                return None if too_long or len(line) > self._max_bytes + 1 else line
+            if len(self._buffer) > self._max_bytes:
+                too_long = True
+                self._buffer.clear()
+            chunk = os.read(self._fd, 65_536)
+            if not chunk:  # the end: what is left is the last line, without its newline
+                line = bytes(self._buffer)
+                self._buffer.clear()
+                return None if too_long else line
+            self._buffer += chunk
 
 
 def _id_of(message: Mapping[str, Any]) -> int | str | None:
