@@ -407,6 +407,25 @@ def test_cleanup_refuses_a_sqlite_path_with_no_store(tmp_path: Path) -> None:
     assert not missing.exists()
 
 
+def test_fence_and_cleanup_leave_a_file_that_is_not_a_store_alone(tmp_path: Path) -> None:
+    """An existing file that holds no leasekeeper store (an empty placeholder, another
+    program's database, a text file) is refused too, and left exactly as it was."""
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    other = tmp_path / "other.db"
+    with contextlib.closing(sqlite3.connect(other)) as conn:
+        conn.execute("CREATE TABLE t (x)")
+        conn.commit()
+    text = tmp_path / "notes.db"
+    text.write_text("not a database\n")
+    for path in (empty, other, text):
+        before = path.read_bytes()
+        for argv in (["fence", "--raise-to", "100"], ["cleanup"]):
+            done = CliRunner().invoke(main, [*argv, "--store", f"sqlite:///{path}"])
+            assert done.exit_code == 2 and "no leasekeeper store at" in done.output, done.output
+        assert path.read_bytes() == before
+
+
 def test_server_cleans_up_on_its_interval(tmp_path: Path) -> None:
     """The server's cleanup task runs every LEASEKEEPER_CLEANUP_INTERVAL_SECONDS."""
     db = tmp_path / "interval.db"

@@ -154,6 +154,10 @@ def _select_many(count: int) -> str:
 
 
 _READ_FENCE = "SELECT value FROM meta WHERE name = 'fence'"
+_STORE_TABLES = (
+    "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name IN ('leases', 'meta')"
+)
+_READ_VERSION = "SELECT value FROM meta WHERE name = 'schema_version'"
 _RAISE_FENCE = "UPDATE meta SET value = max(value, ?) WHERE name = 'fence'"
 _COUNT_LIVE = "SELECT count(*) FROM leases WHERE owner IS NOT NULL AND lease_expires_ms > ?"
 #: A purge step walks the table in key order: the next ``limit`` keys past the
@@ -312,9 +316,23 @@ class SqliteStore:
         return counter
 
     async def exists(self) -> bool:
-        """Whether the store is there already (its file), without creating it: for the
-        operator commands that must not make a new, empty store (``leasekeeper fence``)."""
-        return self.path.exists()
+        """Whether the store is there already (a file holding leasekeeper's tables), read
+        without creating or changing anything: for the operator commands that must not
+        make a new, empty store (``leasekeeper fence``) in a mistyped path, an empty
+        file or another program's database."""
+        if not self.path.is_file():
+            return False
+        try:
+            with contextlib.closing(
+                sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True)
+            ) as conn:
+                tables = conn.execute(_STORE_TABLES).fetchone()
+                if tables is None or tables[0] != 2:
+                    return False
+                version = conn.execute(_READ_VERSION).fetchone()
+        except sqlite3.Error:
+            return False  # not a database (or not one we can read): no store of ours
+        return version is not None
 
     async def ping(self) -> None:
         def run(conn: sqlite3.Connection) -> None:
