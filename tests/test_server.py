@@ -426,6 +426,26 @@ def test_fence_and_cleanup_leave_a_file_that_is_not_a_store_alone(tmp_path: Path
         assert path.read_bytes() == before
 
 
+def test_fence_refuses_a_damaged_sqlite_store(tmp_path: Path) -> None:
+    """A store damaged as a copy over a leftover WAL damages it: ``fence`` (run after
+    every restore) says so and raises nothing, rather than bless the file."""
+    db = tmp_path / "restored.db"
+    _expired_records(db, 400)
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    assert pages > 3
+    with db.open("r+b") as file:  # the B-tree's pages past the first two, overwritten
+        file.seek(2 * page)
+        file.write(b"\xff" * page)
+    before = db.read_bytes()
+    done = CliRunner().invoke(main, ["fence", "--raise-to", "100", "--store", f"sqlite:///{db}"])
+    assert done.exit_code == 1, done.output
+    assert "the SQLite store is damaged" in done.output
+    assert db.read_bytes() == before
+
+
 def test_server_cleans_up_on_its_interval(tmp_path: Path) -> None:
     """The server's cleanup task runs every LEASEKEEPER_CLEANUP_INTERVAL_SECONDS."""
     db = tmp_path / "interval.db"

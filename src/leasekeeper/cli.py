@@ -268,6 +268,15 @@ def _once(
                 else "in that PostgreSQL database and schema (check the URL's search_path)"
             )
             raise click.UsageError(f"there is no leasekeeper store {where}; none is created")
+        if isinstance(service.store, SqliteStore):  # after a restore, before anything else
+            damage = asyncio.run(service.store.damage())
+            if damage is not None:
+                click.echo(
+                    f"{command} refused: the SQLite store is damaged ({damage}); "
+                    "restore it as the README says (Operations: Restores)",
+                    err=True,
+                )
+                sys.exit(1)
 
     async def run() -> T:
         await service.start()

@@ -334,6 +334,19 @@ class SqliteStore:
             return False  # not a database (or not one we can read): no store of ours
         return version is not None
 
+    async def damage(self) -> str | None:
+        """SQLite's first complaint about the file (``PRAGMA quick_check``), or None when
+        it finds none: read only, for the operator commands run after a restore, where
+        a store copied over a leftover WAL is damaged (the README's restore steps)."""
+        try:
+            with contextlib.closing(
+                sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True)
+            ) as conn:
+                found = conn.execute("PRAGMA quick_check(1)").fetchone()
+        except sqlite3.Error as exc:
+            return str(exc)
+        return None if found is not None and found[0] == "ok" else str(found[0] if found else "")
+
     async def ping(self) -> None:
         def run(conn: sqlite3.Connection) -> None:
             conn.execute("SELECT 1").fetchone()
