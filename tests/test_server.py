@@ -234,7 +234,7 @@ def test_no_secret_reaches_disk_logs_or_responses(tmp_path: Path, kind: str) -> 
     log_text = log.read_text()
     snapshots["server.log"] = log_text.encode()
     lines = [json.loads(line) for line in log_text.splitlines()]  # every line is JSON
-    assert any(line["message"].startswith("leasekeeper listening") for line in lines)
+    assert any(line["message"].startswith("leasekeeper starting") for line in lines)
     assert sum(1 for line in lines if "request_id" in line) >= len(answers) - 3
     assert [a for a, _ in answers if b"408" in a[:20] or b"400 Bad" in a[:20]]
 
