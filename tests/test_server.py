@@ -8,6 +8,7 @@ import binascii
 import concurrent.futures
 import contextlib
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -414,6 +415,7 @@ def test_fence_and_cleanup_leave_a_file_that_is_not_a_store_alone(tmp_path: Path
     empty.touch()
     other = tmp_path / "other.db"
     with contextlib.closing(sqlite3.connect(other)) as conn:
+        conn.execute("PRAGMA journal_mode = WAL")  # a WAL database, closed cleanly
         conn.execute("CREATE TABLE t (x)")
         conn.commit()
     text = tmp_path / "notes.db"
@@ -424,6 +426,7 @@ def test_fence_and_cleanup_leave_a_file_that_is_not_a_store_alone(tmp_path: Path
             done = CliRunner().invoke(main, [*argv, "--store", f"sqlite:///{path}"])
             assert done.exit_code == 2 and "no leasekeeper store at" in done.output, done.output
         assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.db", "notes.db", "other.db"]
 
 
 def test_fence_refuses_a_damaged_sqlite_store(tmp_path: Path) -> None:
@@ -444,6 +447,42 @@ def test_fence_refuses_a_damaged_sqlite_store(tmp_path: Path) -> None:
     assert done.exit_code == 1, done.output
     assert "the SQLite store is damaged" in done.output
     assert db.read_bytes() == before
+
+
+def _insert_rows(db: Path, first: int, count: int) -> None:
+    with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as conn:
+        rows = [(os.urandom(32), None, 1, first + i, None, 1, None, "x" * 200, 1)
+                for i in range(count)]  # fmt: skip
+        conn.executemany("INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+
+
+def test_fence_refuses_a_backup_copied_over_a_leftover_wal(tmp_path: Path) -> None:
+    """The wrong restore the README warns of: a backup copied over the store while a
+    crashed writer's WAL is beside it. SQLite applies that WAL to the copy; the damage
+    (a table without rowids out of key order) is found, and nothing is raised."""
+    db = tmp_path / "lk.db"
+    _expired_records(db, 1)
+    _insert_rows(db, 10, 3000)  # checkpointed when the last connection closes
+    backup = tmp_path / "backup.db"
+    backup.write_bytes(db.read_bytes())
+    _insert_rows(db, 10_000, 3000)
+    crash = (
+        "import os, sqlite3, sys\n"
+        "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+        "c.execute('PRAGMA wal_autocheckpoint = 0')\n"
+        "c.execute('BEGIN')\n"
+        "c.execute('UPDATE leases SET result = ? WHERE fencing_token IN (5000, 11500)', ('z',))\n"
+        "c.executemany('INSERT INTO leases VALUES (?, ?, 1, ?, NULL, 1, NULL, ?, 1)',\n"
+        "    [(os.urandom(32), None, 10**6 + i, 'y' * 300) for i in range(3)])\n"
+        "c.execute('COMMIT')\n"
+        "os._exit(0)\n"  # no checkpoint, no cleanup: the WAL stays
+    )
+    subprocess.run([sys.executable, "-c", crash, str(db)], check=True, timeout=60)
+    assert (tmp_path / "lk.db-wal").stat().st_size > 0
+    db.write_bytes(backup.read_bytes())  # the wrong restore
+    done = CliRunner().invoke(main, ["fence", "--raise-to", "100", "--store", f"sqlite:///{db}"])
+    assert done.exit_code == 1, done.output
+    assert "the SQLite store is damaged" in done.output
 
 
 def test_server_cleans_up_on_its_interval(tmp_path: Path) -> None:

@@ -268,7 +268,9 @@ def _once(
                 else "in that PostgreSQL database and schema (check the URL's search_path)"
             )
             raise click.UsageError(f"there is no leasekeeper store {where}; none is created")
-        if isinstance(service.store, SqliteStore):  # after a restore, before anything else
+        # After a restore, before anything else (fence only: cleanup runs from cron
+        # beside servers, and the check reads the whole file in one read transaction).
+        if command == "fence" and isinstance(service.store, SqliteStore):
             damage = asyncio.run(service.store.damage())
             if damage is not None:
                 click.echo(

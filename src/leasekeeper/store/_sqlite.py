@@ -319,33 +319,43 @@ class SqliteStore:
         """Whether the store is there already (a file holding leasekeeper's tables), read
         without creating or changing anything: for the operator commands that must not
         make a new, empty store (``leasekeeper fence``) in a mistyped path, an empty
-        file or another program's database."""
+        file or another program's database. A file SQLite cannot read for another reason
+        (damaged, unreadable) raises ``sqlite3.Error`` rather than pass for "no store"."""
         if not self.path.is_file():
             return False
         try:
-            with contextlib.closing(
-                sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True)
-            ) as conn:
+            with self._inspect() as conn:
                 tables = conn.execute(_STORE_TABLES).fetchone()
                 if tables is None or tables[0] != 2:
                     return False
                 version = conn.execute(_READ_VERSION).fetchone()
-        except sqlite3.Error:
-            return False  # not a database (or not one we can read): no store of ours
+        except sqlite3.DatabaseError as exc:
+            if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_NOTADB:
+                return False  # not a database at all: no store of ours
+            raise
         return version is not None
 
     async def damage(self) -> str | None:
-        """SQLite's first complaint about the file (``PRAGMA quick_check``), or None when
-        it finds none: read only, for the operator commands run after a restore, where
-        a store copied over a leftover WAL is damaged (the README's restore steps)."""
+        """SQLite's first complaint about the file (``PRAGMA integrity_check``), or None
+        when it finds none: for ``leasekeeper fence``, run after a restore, where a store
+        copied over a leftover WAL is damaged in ways ``quick_check`` does not look for
+        (the order of a table without rowids). It reads the whole file."""
         try:
-            with contextlib.closing(
-                sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True)
-            ) as conn:
-                found = conn.execute("PRAGMA quick_check(1)").fetchone()
-        except sqlite3.Error as exc:
+            with self._inspect() as conn:
+                found = conn.execute("PRAGMA integrity_check(1)").fetchone()
+        except sqlite3.DatabaseError as exc:
             return str(exc)
         return None if found is not None and found[0] == "ok" else str(found[0] if found else "")
+
+    def _inspect(self) -> contextlib.closing[sqlite3.Connection]:
+        """A read-only connection that leaves no file behind: with no WAL beside the
+        file (no process has it open), ``immutable`` reads it as it is, creating no
+        ``-wal`` or ``-shm``; with one, ``mode=ro`` reads the file as a server would."""
+        wal = self.path.with_name(self.path.name + "-wal")
+        mode = "mode=ro" if wal.exists() else "mode=ro&immutable=1"
+        return contextlib.closing(
+            sqlite3.connect(f"{self.path.resolve().as_uri()}?{mode}", uri=True)
+        )
 
     async def ping(self) -> None:
         def run(conn: sqlite3.Connection) -> None:
