@@ -1012,23 +1012,57 @@ def test_a_release_that_took_effect_is_released_even_once_a_new_owner_holds_the_
 
 
 def test_only_an_ended_owner_followed_by_a_new_one_counts_without_its_row() -> None:
-    """After a committed cut-off COMMIT, a row that changed since confirms a release or
-    complete (owner cleared) followed by a higher fence, never a renew or a grant: a
-    reused transaction id must not tell an owner it holds a lease it lost."""
+    """After a committed cut-off COMMIT, a row that changed since confirms a release
+    followed by a higher fence, never a renew, a grant or a complete: a reused
+    transaction id must not tell an owner it holds a lease it lost, or that a result is
+    stored that is not."""
     from leasekeeper._core.model import LeaseRecord
     from leasekeeper.store._postgres import _ended_and_since
 
     key = new_id()
 
-    def record(fence: int, owner: bytes | None) -> LeaseRecord:
-        return LeaseRecord(key, None, 10_000, fence, owner, 5_000, None, None, 1_000)
+    def record(fence: int, owner: bytes | None, completed: int | None = None) -> LeaseRecord:
+        return LeaseRecord(key, None, 10_000, fence, owner, 5_000, completed, None, 1_000)
 
-    released, renewed = record(4, None), record(4, new_id())
+    released, renewed, completed = record(4, None), record(4, new_id()), record(4, None, 2_000)
     newer = {key: record(5, new_id())}
     assert _ended_and_since(released, newer)
     assert not _ended_and_since(renewed, newer)
+    assert not _ended_and_since(completed, newer)
     assert not _ended_and_since(released, {key: record(4, new_id())})
     assert not _ended_and_since(released, {})
+
+
+def test_a_transaction_id_the_database_never_issued_leaves_the_rows_to_decide(
+    make_store: StoreFactory,
+) -> None:
+    """After a failover to a standby whose transaction ids are behind, asking for the
+    status of the lost COMMIT's id fails ("in the future"): the rows decide alone, and
+    the batch is not answered 503 for it."""
+    from leasekeeper.store._postgres import _Attempt
+
+    store = make_store("postgres", timeout_seconds=3)
+
+    async def main() -> set[bytes]:
+        async with opened(store):
+            key, owner = new_id(), new_id()
+            granted = await store.apply(acquire(key, owner))
+            assert isinstance(granted.outcome, Granted)
+            attempt: _Attempt[Any] = _Attempt()
+            attempt.written = [granted.outcome.record]
+            attempt.updated = {key}
+            async with store._pool.connection() as conn:  # type: ignore[attr-defined]
+                now = await (await conn.execute("SELECT txid_current()")).fetchone()
+            assert now is not None
+            attempt.txid = int(now[0]) + 1_000_000  # not handed out yet: "in the future"
+            landed: set[bytes] = await store._landed(  # type: ignore[attr-defined]
+                store._pool,  # type: ignore[attr-defined]
+                attempt,
+                asyncio.get_running_loop().time() + 3,
+            )
+            return {k for k in landed if k == key}
+
+    assert len(asyncio.run(main())) == 1
 
 
 def test_a_commit_that_never_arrived_is_decided_again(

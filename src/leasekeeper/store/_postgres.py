@@ -687,13 +687,13 @@ class PostgresStore:
         holding them to finish; then the transaction's status is asked for
         (``txid_status``). A row that equals the written record took effect (its owner
         digest and decision time make it unique), unless the transaction aborted. A
-        committed transaction's release or complete also took effect when a new owner
-        has taken the key since (``_ended_and_since``): such a release is answered
-        released, not lost. Without a status (no row existed to give the transaction
-        an id, or it is still in progress) only equal rows count. Commands on the keys
-        not found are decided again, against whatever their row holds now; that is
-        safe, and at worst conservative.
-        Commands whose key was not written hold either way. A first write to a new key
+        committed transaction's release also took effect when a new owner has taken the
+        key since (``_ended_and_since``): it is answered released, not lost. Without a
+        status (no row existed to give the transaction an id, it is still in progress,
+        or its id is unknown to a standby promoted since) only equal rows count.
+        Commands on the keys not found are decided again, against whatever their row
+        holds now; that is safe, and at worst conservative. Commands whose key was not
+        written hold either way. A first write to a new key
         is the one case where the lock cannot be waited for; the new decision then
         meets that row through ``INSERT … ON CONFLICT`` and decides against it, so
         nothing is granted twice.
@@ -711,9 +711,14 @@ class PostgresStore:
                     rows = await cursor.fetchall()
                     status = None
                     if attempt.txid is not None:
-                        asked = await conn.execute(_TXID_STATUS, (attempt.txid,))
-                        found = await asked.fetchone()
-                        status = None if found is None else found[0]
+                        try:
+                            asked = await conn.execute(_TXID_STATUS, (attempt.txid,))
+                            found = await asked.fetchone()
+                            status = None if found is None else found[0]
+                        except psycopg.DataError:
+                            # "transaction ID … is in the future": a standby promoted
+                            # since, whose ids are behind. No status: rows decide alone.
+                            status = None
             except psycopg.OperationalError:
                 if conn is None or not conn.broken or number == _MAX_ATTEMPTS:
                     raise
@@ -877,15 +882,21 @@ def _split(
 
 
 def _ended_and_since(written: LeaseRecord, current: dict[bytes, LeaseRecord]) -> bool:
-    """Whether ``written``, a record that ended its owner (a release or a complete), has
-    since been followed by a new owner: its row now holds a higher fence.
+    """Whether ``written``, a release (its owner ended, nothing stored), has since been
+    followed by a new owner: its row now holds a higher fence.
 
-    Only for a transaction known to have committed (``txid_status``), and only for such
-    a record: were that status wrong (a transaction id used again after a failover to
-    an asynchronous standby), answering such a release or complete as done would tell
-    its caller only that it no longer owns the key, which a new owner proves anyway."""
+    Only for a transaction known to have committed (``txid_status``), and only for a
+    release: were that status wrong (a transaction id used again after a failover to an
+    asynchronous standby), answering a release as done tells its caller only that it no
+    longer owns the key, which a new owner proves anyway; a complete answered as done
+    would claim a result stored that is not."""
     now = current.get(written.key_id)
-    return written.owner is None and now is not None and now.fencing_token > written.fencing_token
+    return (
+        written.owner is None
+        and written.completed_ms is None
+        and now is not None
+        and now.fencing_token > written.fencing_token
+    )
 
 
 def _first_int(row: TupleRow | None) -> int:
