@@ -9,7 +9,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -813,6 +813,41 @@ def test_once_finds_the_result_its_lost_answer_stored(
     assert charge() == {"charged": 10}
     assert charge() == {"charged": 10}
     assert calls == [1]
+
+
+def test_no_renewal_reports_lost_while_a_stored_complete_is_retried(
+    api: Any, fake_time: FakeTime, namespace: str
+) -> None:
+    """While once retries a complete whose first attempt stored the result, renewal is
+    stopped: a renewal turn then would be answered lost (the key is completed) and call
+    on_lost for work that succeeded."""
+    client = make_client(api, fake_time, fault=_complete_lands_then_the_answer_is_lost(api))
+    told: list[LeaseLost] = []
+    plain_event = client._event_factory
+
+    class TurnsTheWorker:
+        """A pause during which the renewal worker takes its turn, as its thread would."""
+
+        def __init__(self) -> None:
+            self.event = plain_event()
+
+        def wait(self, timeout: float | None = None) -> bool:
+            worker = worker_of(current)
+            if not worker.stopped:
+                worker.step()
+            return self.event.wait(timeout)
+
+    @client.once(namespace, key="charge:13", on_lost=told.append)
+    def charge() -> int:
+        nonlocal current
+        current = cast(HeldLease, current_lease())
+        client._event_factory = TurnsTheWorker  # type: ignore[assignment]
+        return 13
+
+    current: HeldLease
+    assert charge() == 13
+    assert told == []
+    assert not current.lost.is_set()
 
 
 def test_a_lost_answer_is_not_taken_for_someone_elses_completion(

@@ -287,6 +287,10 @@ class AsyncLeaseClient:
                 now = self._monotonic()
                 if attempt == 0:
                     deadline = _complete_deadline(lease, now)
+                    # No renewals from here: one would race the retried complete, and be
+                    # answered lost (the key completed) if the first attempt stored it.
+                    if lease.renewer is not None:
+                        await lease.renewer.stop()
                 delay = _complete_delay(error, attempt, deadline - now, self._random())
                 if delay is None:
                     raise
