@@ -1091,3 +1091,32 @@ def test_ctrl_c_ends_the_stdio_server_while_its_stdin_stays_open(tmp_path: Path)
         assert peer.answer(b'{"jsonrpc":"2.0","id":1,"method":"ping"}')["id"] == 1
         peer.process.send_signal(signal.SIGINT)
         assert peer.process.wait(FLOW_TIMEOUT) in (0, 1, -signal.SIGINT)
+
+
+def test_stdio_lines_are_split_and_bounded_as_sent() -> None:
+    """``_FdLines`` (stdin for ``leasekeeper mcp``): lines split across reads, a line of
+    exactly the limit and one past it (dropped: None), a long line and a short one in
+    one write, and a last line without its newline."""
+    from leasekeeper.mcp._server import _FdLines
+
+    read_end, write_end = os.pipe()
+    try:
+        lines = _FdLines(read_end, 10)
+        os.write(write_end, b'{"a":')
+        os.write(write_end, b"1}\n")
+        assert lines.readline() == b'{"a":1}\n'
+        os.write(write_end, b"x" * 10 + b"\n" + b"y" * 11 + b"\n")
+        assert lines.readline() == b"x" * 10 + b"\n"
+        assert lines.readline() is None
+        os.write(write_end, b"z" * 1_000 + b"\nshort\n")
+        assert lines.readline() is None
+        assert lines.readline() == b"short\n"
+        os.write(write_end, b"last")
+        os.close(write_end)
+        write_end = -1
+        assert lines.readline() == b"last"
+        assert lines.readline() == b""
+    finally:
+        os.close(read_end)
+        if write_end != -1:
+            os.close(write_end)

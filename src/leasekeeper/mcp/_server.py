@@ -734,17 +734,32 @@ class StrictStdin:
         lines: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=8)
         loop = asyncio.get_running_loop()
 
+        def deliver(line: bytes | None) -> bool:
+            """Hand ``line`` to the loop, waiting while the queue is full; False once
+            the loop is closed or closing (nobody reads any more)."""
+            put = lines.put(line)
+            try:
+                asyncio.run_coroutine_threadsafe(put, loop).result()
+            except RuntimeError:  # closed: the coroutine never ran
+                put.close()
+                return False
+            except concurrent.futures.CancelledError:
+                return False
+            return True
+
         def pump() -> None:
             line: bytes | None = None
-            while line != b"":
-                try:
-                    line = self._reader.readline()
-                except OSError:
-                    line = b""
-                try:
-                    asyncio.run_coroutine_threadsafe(lines.put(line), loop).result()
-                except (RuntimeError, concurrent.futures.CancelledError):
-                    return  # the loop is closed or closing: nobody reads any more
+            try:
+                while line != b"":
+                    try:
+                        line = self._reader.readline()
+                    except OSError:
+                        line = b""
+                    if not deliver(line):
+                        return
+            except Exception:  # never leave the reader waiting for a line that won't come
+                log.exception("reading stdin failed")
+                deliver(b"")
 
         threading.Thread(target=pump, name="leasekeeper-mcp-stdin", daemon=True).start()
         try:
@@ -803,15 +818,18 @@ class _FdLines:
         """The next line (``b""`` at the end), or None for a line longer than
         ``max_bytes`` without its newline, which is read to its end and dropped."""
         too_long = False
+        searched = 0  # the buffer before this holds no newline: each byte is looked at once
         while True:
-            end = self._buffer.find(b"\n")
+            end = self._buffer.find(b"\n", searched)
             if end >= 0:
                 line = bytes(self._buffer[: end + 1])
                 del self._buffer[: end + 1]
                 return None if too_long or len(line) > self._max_bytes + 1 else line
+            searched = len(self._buffer)
             if len(self._buffer) > self._max_bytes:
                 too_long = True
                 self._buffer.clear()
+                searched = 0
             chunk = os.read(self._fd, 65_536)
             if not chunk:  # the end: what is left is the last line, without its newline
                 line = bytes(self._buffer)
