@@ -426,6 +426,24 @@ def test_a_signal_before_the_command_starts_keeps_it_from_starting(
     assert cli("acquire", "--key", "pre").exit_code == 0
 
 
+def test_a_request_signal_before_the_command_starts_reaches_it(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGUSR1 before the command exists is kept and passed on once it does (a request,
+    not an interruption: the command starts, and its status is recorded)."""
+
+    def say(self: Any, message: str) -> None:
+        if message.startswith("lease acquired"):
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    monkeypatch.setattr(_cli_module._Progress, "say", say)
+    result = cli("run", "--key", "usr", "--complete", "--", "sleep", "30")
+    assert result.exit_code == 128 + signal.SIGUSR1, result.output  # sleep's default action
+    recorded = cli("acquire", "--key", "usr")
+    assert recorded.exit_code == EXIT_COMPLETED
+    assert cli.json(recorded)["result"] == {"exit_code": 128 + signal.SIGUSR1}
+
+
 def test_sigquit_is_passed_on_and_usr1_does_not_cancel_recording(cli: Cli, tmp_path: Path) -> None:
     """SIGQUIT (Ctrl-\\) interrupts the command like SIGTERM (not recorded); SIGUSR1 is
     passed on as a request to the command, whose status is then recorded."""

@@ -541,14 +541,18 @@ _PASSED_ON = (signal.SIGUSR1, signal.SIGUSR2)
 
 @contextlib.contextmanager
 def _forward_signals(
-    started: list[subprocess.Popen[bytes]], received: list[int], still_held: Callable[[], bool]
+    started: list[subprocess.Popen[bytes]],
+    received: list[int],
+    unsent: list[int],
+    still_held: Callable[[], bool],
 ) -> Iterator[None]:
     """Pass SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 on to the command's
     process group while it runs, and stop the command with ``run`` (SIGTSTP, Ctrl-Z).
 
     The handlers are in place before the command starts (``started`` is empty until
-    then): a signal that arrives meanwhile is kept in ``received``, and the caller
-    does not start the command, or passes it on once it has. A signal that ``run``
+    then): a signal that arrives meanwhile is kept in ``unsent`` (an interruption in
+    ``received`` too), and the caller does not start the command, or passes it on once
+    it has. A signal that ``run``
     was started ignoring (``nohup``) stays ignored. The command has a process group
     of its own, so a Ctrl-Z would stop ``run`` (and its renewals) but not the
     command, which went on working past the lease. Now the command is stopped
@@ -560,10 +564,15 @@ def _forward_signals(
         return
 
     def forward(signum: int, frame: FrameType | None) -> None:
+        # Runs in the main thread between two of its steps, so "started" is either
+        # empty (kept in "unsent": the caller passes it on once the command exists) or
+        # not (passed on here): never both, never neither.
         if signum in _INTERRUPTIONS:
             received.append(signum)
         if started:
             _signal_group(started[0], signum)
+        else:
+            unsent.append(signum)
 
     def pause(signum: int, frame: FrameType | None) -> None:
         if started:
@@ -706,6 +715,7 @@ def _run_held(
     fence = held.fencing_token
     child_env = {**environ, "LEASEKEEPER_FENCING_TOKEN": str(fence)}
     received: list[int] = []
+    unsent: list[int] = []
     started: list[subprocess.Popen[bytes]] = []
 
     def still_held() -> bool:
@@ -715,7 +725,7 @@ def _run_held(
             return False
         return True
 
-    with _forward_signals(started, received, still_held):
+    with _forward_signals(started, received, unsent, still_held):
         progress.say(f"lease acquired (fencing token {fence}); running the command")
         if received:  # interrupted before the command started: it is not started
             return 128 + received[0]
@@ -725,10 +735,9 @@ def _run_held(
             why = f"cannot run the command: {exc.strerror}"
             _print_json({"ok": False, "status": "error", "error": why}, err=True)
             return EXIT_NOT_STARTED
-        arrived = list(received)  # while it was starting; from here the handler passes on
-        started.append(process)
-        for signum in arrived:
-            _signal_group(process, signum)
+        started.append(process)  # from here the handler passes signals on itself
+        while unsent:  # those that came while it was starting
+            _signal_group(process, unsent.pop(0))
 
         def watch() -> None:
             process.wait()
