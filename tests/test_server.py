@@ -485,6 +485,34 @@ def test_fence_refuses_a_backup_copied_over_a_leftover_wal(tmp_path: Path) -> No
     assert "the SQLite store is damaged" in done.output
 
 
+def test_fence_through_a_symbolic_link_reads_the_store_as_a_server_would(
+    tmp_path: Path,
+) -> None:
+    """Through a link, the WAL is looked for beside the linked file, where SQLite keeps
+    it: a store whose tables are still only in its WAL (a crashed first start) is a store,
+    not "no store" (nor, while a server writes, a false "damaged")."""
+    real_dir = tmp_path / "real"
+    real_dir.mkdir()
+    db = real_dir / "store.db"
+    crash = (
+        "import os, sqlite3, sys\n"
+        "from leasekeeper.store._sqlite import _SCHEMA, SCHEMA_VERSION\n"
+        "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+        "c.execute('PRAGMA journal_mode = WAL')\n"
+        "c.execute('PRAGMA wal_autocheckpoint = 0')\n"
+        "c.executescript('BEGIN;' + _SCHEMA + 'COMMIT;')\n"
+        "c.execute(\"INSERT INTO meta VALUES ('schema_version', ?)\", (SCHEMA_VERSION,))\n"
+        "os._exit(0)\n"  # the tables are in the WAL only
+    )
+    subprocess.run([sys.executable, "-c", crash, str(db)], check=True, timeout=60)
+    assert (real_dir / "store.db-wal").stat().st_size > 0
+    link = tmp_path / "link.db"
+    link.symlink_to(db)
+    done = CliRunner().invoke(main, ["fence", "--raise-to", "7", "--store", f"sqlite:///{link}"])
+    assert done.exit_code == 0, done.output
+    assert '"fencing_counter": 7' in done.output
+
+
 def test_server_cleans_up_on_its_interval(tmp_path: Path) -> None:
     """The server's cleanup task runs every LEASEKEEPER_CLEANUP_INTERVAL_SECONDS."""
     db = tmp_path / "interval.db"

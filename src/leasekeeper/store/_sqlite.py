@@ -340,22 +340,23 @@ class SqliteStore:
         when it finds none: for ``leasekeeper fence``, run after a restore, where a store
         copied over a leftover WAL is damaged in ways ``quick_check`` does not look for
         (the order of a table without rowids). It reads the whole file."""
+        uri = f"{self.path.resolve().as_uri()}?mode=ro"  # never immutable: servers may write
         try:
-            with self._inspect() as conn:
+            with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:
                 found = conn.execute("PRAGMA integrity_check(1)").fetchone()
         except sqlite3.DatabaseError as exc:
             return str(exc)
         return None if found is not None and found[0] == "ok" else str(found[0] if found else "")
 
     def _inspect(self) -> contextlib.closing[sqlite3.Connection]:
-        """A read-only connection that leaves no file behind: with no WAL beside the
-        file (no process has it open), ``immutable`` reads it as it is, creating no
-        ``-wal`` or ``-shm``; with one, ``mode=ro`` reads the file as a server would."""
-        wal = self.path.with_name(self.path.name + "-wal")
-        mode = "mode=ro" if wal.exists() else "mode=ro&immutable=1"
-        return contextlib.closing(
-            sqlite3.connect(f"{self.path.resolve().as_uri()}?{mode}", uri=True)
-        )
+        """A read-only connection for ``exists``, which must leave another program's
+        file as it found it: with no WAL beside the file (no process has it open),
+        ``immutable`` reads it as it is, creating no ``-wal`` or ``-shm``; with one,
+        ``mode=ro`` reads the file as a server would. The WAL is looked for beside the
+        file itself, where SQLite keeps it, not beside a symbolic link to it."""
+        real = self.path.resolve()
+        mode = "mode=ro" if Path(f"{real}-wal").exists() else "mode=ro&immutable=1"
+        return contextlib.closing(sqlite3.connect(f"{real.as_uri()}?{mode}", uri=True))
 
     async def ping(self) -> None:
         def run(conn: sqlite3.Connection) -> None:
