@@ -284,13 +284,13 @@ class AsyncLeaseClient:
             try:
                 return await lease._complete(value, retried=attempt > 0)
             except _PASSING as error:
-                now = self._monotonic()
-                if attempt == 0:
-                    deadline = _complete_deadline(lease, now)
+                if attempt == 0 and lease.renewer is not None:
                     # No renewals from here: one would race the retried complete, and be
                     # answered lost (the key completed) if the first attempt stored it.
-                    if lease.renewer is not None:
-                        await lease.renewer.stop()
+                    await lease.renewer.stop()
+                now = self._monotonic()  # after the stop, which may wait for a renewal
+                if attempt == 0:
+                    deadline = _complete_deadline(lease, now)
                 delay = _complete_delay(error, attempt, deadline - now, self._random())
                 if delay is None:
                     raise
@@ -501,6 +501,10 @@ class AsyncHeldLease:
             self._ended = True
             await self._client.release(self._namespace, self._key, self._token())
 
+    def _renewal_stopped(self) -> bool:
+        """Whether renewal was told to stop (a renewal waiting for the lock then sends none)."""
+        return self.renewer is not None and self.renewer.stopped
+
     def _token(self) -> str:
         if self.grant is None:  # pragma: no cover - guarded by the callers
             raise RuntimeError("the lease has not been acquired")
@@ -508,7 +512,7 @@ class AsyncHeldLease:
 
     async def _renew_for_worker(self, request_seconds: float) -> int | None:
         async with self._lock:
-            if self._ended or self.lost.is_set():
+            if self._ended or self.lost.is_set() or self._renewal_stopped():
                 return None
             self.grant = await self._client._renew(
                 self._namespace, self._key, self._token(), self._ttl, request_seconds

@@ -550,9 +550,9 @@ def _forward_signals(
     process group while it runs, and stop the command with ``run`` (SIGTSTP, Ctrl-Z).
 
     The handlers are in place before the command starts (``started`` is empty until
-    then): a signal that arrives meanwhile is kept in ``unsent`` (an interruption in
-    ``received`` too), and the caller does not start the command, or passes it on once
-    it has. A signal that ``run``
+    then): an interruption that arrives meanwhile is kept in ``received`` and
+    ``unsent``, and the caller does not start the command, or passes it on once it
+    has; a SIGUSR1 or SIGUSR2 then is dropped. A signal that ``run``
     was started ignoring (``nohup``) stays ignored. The command has a process group
     of its own, so a Ctrl-Z would stop ``run`` (and its renewals) but not the
     command, which went on working past the lease. Now the command is stopped
@@ -571,8 +571,10 @@ def _forward_signals(
             received.append(signum)
         if started:
             _signal_group(started[0], signum)
-        else:
+        elif signum in _INTERRUPTIONS:
             unsent.append(signum)
+        # else a request (USR1, USR2) to a command not yet there: it means nothing to it,
+        # and sent just after it starts, before it could install a handler, would kill it.
 
     def pause(signum: int, frame: FrameType | None) -> None:
         if started:

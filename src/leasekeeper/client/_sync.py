@@ -363,13 +363,13 @@ class LeaseClient:
             try:
                 return lease._complete(value, retried=attempt > 0)
             except _PASSING as error:
-                now = self._monotonic()
-                if attempt == 0:
-                    deadline = _complete_deadline(lease, now)
+                if attempt == 0 and lease.renewer is not None:
                     # No renewals from here: one would race the retried complete, and be
                     # answered lost (the key completed) if the first attempt stored it.
-                    if lease.renewer is not None:
-                        lease.renewer.stop()
+                    lease.renewer.stop()
+                now = self._monotonic()  # after the stop, which may wait for a renewal
+                if attempt == 0:
+                    deadline = _complete_deadline(lease, now)
                 delay = _complete_delay(error, attempt, deadline - now, self._random())
                 if delay is None:
                     raise
@@ -601,6 +601,10 @@ class HeldLease:
 
     # -- for the renewal worker ------------------------------------------------------------------
 
+    def _renewal_stopped(self) -> bool:
+        """Whether renewal was told to stop (a renewal waiting for the lock then sends none)."""
+        return self.renewer is not None and self.renewer.stopped
+
     def _token(self) -> str:
         if self.grant is None:  # pragma: no cover - guarded by the callers
             raise RuntimeError("the lease has not been acquired")
@@ -609,7 +613,7 @@ class HeldLease:
     def _renew_for_worker(self, request_seconds: float) -> int | None:
         """Renew once for the worker; the granted TTL, or None if the lease is over."""
         with self._lock:
-            if self._ended or self.lost.is_set():
+            if self._ended or self.lost.is_set() or self._renewal_stopped():
                 return None
             self.grant = self._client._renew(
                 self._namespace, self._key, self._token(), self._ttl, request_seconds
