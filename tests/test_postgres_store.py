@@ -1034,11 +1034,11 @@ def test_only_an_ended_owner_followed_by_a_new_one_counts_without_its_row() -> N
 
 
 def test_a_transaction_id_the_database_never_issued_leaves_the_rows_to_decide(
-    make_store: StoreFactory,
+    make_store: StoreFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     """After a failover to a standby whose transaction ids are behind, asking for the
-    status of the lost COMMIT's id fails ("in the future"): the rows decide alone, and
-    the batch is not answered 503 for it."""
+    status of the lost COMMIT's id fails ("in the future"): the rows decide alone, the
+    batch is not answered 503 for it, and a WARNING says to raise the fencing counter."""
     from leasekeeper.store._postgres import _Attempt
 
     store = make_store("postgres", timeout_seconds=3)
@@ -1063,6 +1063,8 @@ def test_a_transaction_id_the_database_never_issued_leaves_the_rows_to_decide(
             return {k for k in landed if k == key}
 
     assert len(asyncio.run(main())) == 1
+    assert "does not know a transaction it ran" in caplog.text
+    assert "leasekeeper fence --raise-to" in caplog.text
 
 
 def test_a_commit_that_never_arrived_is_decided_again(

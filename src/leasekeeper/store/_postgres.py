@@ -715,9 +715,15 @@ class PostgresStore:
                             asked = await conn.execute(_TXID_STATUS, (attempt.txid,))
                             found = await asked.fetchone()
                             status = None if found is None else found[0]
-                        except psycopg.DataError:
+                        except psycopg.DataError as exc:
                             # "transaction ID … is in the future": a standby promoted
                             # since, whose ids are behind. No status: rows decide alone.
+                            log.warning(
+                                "PostgreSQL store: the database does not know a transaction "
+                                "it ran (%s): a standby promoted since? Raise the fencing "
+                                "counter (leasekeeper fence --raise-to)",
+                                _describe(exc),
+                            )
                             status = None
             except psycopg.OperationalError:
                 if conn is None or not conn.broken or number == _MAX_ATTEMPTS:
