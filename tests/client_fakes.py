@@ -46,6 +46,24 @@ def bridge(
     return httpx.MockTransport(handle)
 
 
+def answer_lost_after_complete(
+    api: Any,
+) -> Callable[[httpx.Request], httpx.Response | None]:
+    """A ``bridge`` fault: the first /lease/complete reaches the app (and is stored), and
+    its answer is lost on the way back (a read timeout); everything else is as usual."""
+    inner = bridge(api)
+    left = [1]
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        if request.url.path.endswith("/complete") and left[0]:
+            left[0] -= 1
+            inner.handle_request(request)
+            raise httpx.ReadTimeout("the answer was lost", request=request)
+        return None
+
+    return fault
+
+
 class FakeTime:
     """Monotonic seconds on a shared ``FakeClock``; events that wait by advancing it."""
 

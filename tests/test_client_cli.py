@@ -40,7 +40,7 @@ from leasekeeper.client._cli import (
     CliEnvironment,
     exit_code,
 )
-from tests.client_fakes import BASE_URL, bridge
+from tests.client_fakes import BASE_URL, answer_lost_after_complete, bridge
 
 
 class Cli:
@@ -522,16 +522,7 @@ def test_run_complete_whose_answer_was_lost_still_records_and_passes_the_status(
 ) -> None:
     """The status was stored but the answer lost (a read timeout): the retry, told lost,
     finds its own completion, and run exits with the command's status, not 11."""
-    inner = bridge(cli.api)
-    left = [1]
-
-    def fault(request: httpx.Request) -> httpx.Response | None:
-        if request.url.path.endswith("/complete") and left[0]:
-            left[0] -= 1
-            inner.handle_request(request)
-            raise httpx.ReadTimeout("the answer was lost", request=request)
-        return None
-
+    fault = answer_lost_after_complete(cli.api)
     cli.client = lambda url=BASE_URL, timeout=10.0: LeaseClient(  # type: ignore[method-assign]
         BASE_URL, transport=bridge(cli.api, fault), timeout=timeout
     )

@@ -37,7 +37,13 @@ from leasekeeper.client import (
     RenewalWorker,
     current_lease,
 )
-from tests.client_fakes import BASE_URL, FakeTime, ManualThread, bridge
+from tests.client_fakes import (
+    BASE_URL,
+    FakeTime,
+    ManualThread,
+    answer_lost_after_complete,
+    bridge,
+)
 
 KEY = "invoice:2026-09-05"
 
@@ -780,29 +786,13 @@ def test_once_stores_the_result_through_a_passing_outage(
     assert "storing the result failed (unavailable: down)" in caplog.text
 
 
-def _complete_lands_then_the_answer_is_lost(api: Any) -> Callable[..., httpx.Response | None]:
-    """A fault: the first /complete reaches the app (and is stored), and its answer is
-    lost on the way back (a read timeout); everything else is answered as usual."""
-    inner = bridge(api)
-    left = [1]
-
-    def fault(request: httpx.Request) -> httpx.Response | None:
-        if request.url.path.endswith("/complete") and left[0]:
-            left[0] -= 1
-            inner.handle_request(request)
-            raise httpx.ReadTimeout("the answer was lost", request=request)
-        return None
-
-    return fault
-
-
 def test_once_finds_the_result_its_lost_answer_stored(
     api: Any, fake_time: FakeTime, namespace: str
 ) -> None:
     """The complete stored the result but its answer was lost; the retry is told lost
     (the key is completed), looks, finds the key completed with its own fence, and
     returns the stored result: no error, and the work is not done again."""
-    client = make_client(api, fake_time, fault=_complete_lands_then_the_answer_is_lost(api))
+    client = make_client(api, fake_time, fault=answer_lost_after_complete(api))
     calls: list[int] = []
 
     @client.once(namespace, key="charge:10", fingerprint="v1")
@@ -821,7 +811,7 @@ def test_no_renewal_reports_lost_while_a_stored_complete_is_retried(
     """While once retries a complete whose first attempt stored the result, renewal is
     stopped: a renewal turn then would be answered lost (the key is completed) and call
     on_lost for work that succeeded."""
-    client = make_client(api, fake_time, fault=_complete_lands_then_the_answer_is_lost(api))
+    client = make_client(api, fake_time, fault=answer_lost_after_complete(api))
     told: list[LeaseLost] = []
     plain_event = client._event_factory
 
