@@ -275,7 +275,7 @@ def _once(
             if damage is not None:
                 click.echo(
                     f"{command} refused: the SQLite store is damaged ({damage}); "
-                    "restore it as the README says (Operations: Restores)",
+                    "restore it from a backup as the README says (Operations, Durability)",
                     err=True,
                 )
                 sys.exit(1)
