@@ -628,3 +628,35 @@ def test_closing_waits_for_the_fsync_of_every_committed_batch(
         assert store.fencing_counter() == 10
 
     asyncio.run(main())
+
+
+def test_failing_batches_are_logged_at_most_once_a_second(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a full disk every batch fails: each caller gets its 503, but the log gets one
+    line a second, then one that counts the batches it did not mention."""
+    clock = FakeClock()
+    caplog.set_level(logging.ERROR, logger="leasekeeper.store")
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "full.db", clock)
+        await store.open()
+        try:
+            full = sqlite3.OperationalError("database or disk is full")
+            with mock.patch.object(store, "_decide_in_transaction", side_effect=full):
+                for _ in range(20):  # one batch each
+                    with pytest.raises(ServiceUnavailable):
+                        await queue_acquire(store)
+                clock.advance(1_000)
+                with pytest.raises(ServiceUnavailable):
+                    await queue_acquire(store)
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if "batch failed" in r.getMessage()]
+    assert lines == [
+        "SQLite batch failed, 1 operations refused: database or disk is full",
+        "SQLite batch failed, 1 operations refused: database or disk is full "
+        "(and 19 more since the last such line)",
+    ]
