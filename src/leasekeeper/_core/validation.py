@@ -21,6 +21,7 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_RESULT_BYTES",
     "NOT_AN_OBJECT",
+    "UTF8_BOM",
     "check_bare_key",
     "check_namespaced_key",
     "check_text",
@@ -33,6 +34,8 @@ __all__ = [
 ]
 
 MAX_DEPTH = 64
+#: A UTF-8 byte-order mark, ignored before a body (and before an MCP stdio line).
+UTF8_BOM = "\ufeff".encode()
 #: What ``parse_json_object`` says of JSON that is valid but not an object.
 NOT_AN_OBJECT = "Body must be a JSON object"
 MAX_RESULT_BYTES = 32_768

@@ -26,7 +26,7 @@ from starlette.responses import HTMLResponse, Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from leasekeeper._core.validation import parse_json_object
+from leasekeeper._core.validation import UTF8_BOM, parse_json_object
 from leasekeeper._errors import (
     InternalError,
     LeaseError,
@@ -63,7 +63,6 @@ access_log = logging.getLogger("leasekeeper.access")
 BASE_PATH = "/services/v1"
 _JSON = "application/json"
 _JSON_WHITESPACE = b" \t\r\n"
-_BOM = "\ufeff".encode()
 _OWN_HEADERS = (b"cache-control", b"x-content-type-options", b"x-request-id")
 _JSON_HEADER = (b"content-type", b"application/json")
 _SECURITY_HEADERS = ((b"cache-control", b"no-store"), (b"x-content-type-options", b"nosniff"))
@@ -319,7 +318,7 @@ class LeaseEndpoint:
         # Only JSON's own whitespace makes an empty body: bytes.strip() would also
         # drop \x0b and \x0c, which are not JSON and must be refused. A byte-order
         # mark before it is ignored, as before any body (parse_json_object).
-        if self.operation == "namespace" and not raw.removeprefix(_BOM).strip(_JSON_WHITESPACE):
+        if self.operation == "namespace" and not raw.removeprefix(UTF8_BOM).strip(_JSON_WHITESPACE):
             data: dict[str, Any] = {}
         else:
             data = parse_json_object(raw)

@@ -72,6 +72,7 @@ from leasekeeper._core.secrets import NAMESPACE_PREFIX, OWNER_PREFIX
 from leasekeeper._core.validation import (
     MAX_RESULT_BYTES,
     NOT_AN_OBJECT,
+    UTF8_BOM,
     check_tree,
     check_unique_names,
     parse_json_object,
@@ -617,7 +618,6 @@ def _parse_error(message: str) -> Response:
 
 
 _NOT_JSON_RPC = "Validation error: the message is not a valid JSON-RPC request"
-_BOM = "\ufeff".encode()
 
 
 def _sdk_errors_as_json(send: Send) -> Send:
@@ -771,7 +771,7 @@ class StrictStdin:
                     sentence = f"the message is larger than {self._max_bytes} bytes"
                     await self._refuse(None, types.INVALID_REQUEST, f"Invalid request: {sentence}")
                     continue
-                line = line.removeprefix(_BOM)  # ignored, as before a body; the SDK would not
+                line = line.removeprefix(UTF8_BOM)  # ignored, as before a body; the SDK would not
                 if not line.strip():
                     continue
                 try:
