@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import math
 import os
@@ -63,7 +62,7 @@ from leasekeeper._errors import (
     RequestTimeout,
     ServiceUnavailable,
 )
-from leasekeeper.client._http import DEFAULT_TIMEOUT, DEFAULT_URL, decode
+from leasekeeper.client._http import DEFAULT_TIMEOUT, DEFAULT_URL, decode, encode
 from leasekeeper.client._results import Completed
 from leasekeeper.client._sync import HeldLease, LeaseClient
 
@@ -151,17 +150,8 @@ def _env() -> CliEnvironment:
 
 
 def _print_json(body: Mapping[str, Any], *, err: bool = False) -> None:
-    # Python's json, not orjson: a result may hold integers past 64 bits.
-    click.echo(json.dumps(body, ensure_ascii=False, separators=(",", ":")), err=err)
-
-
-def _json_problem(exc: ValueError) -> str:
-    """What is wrong with JSON text, without repeating any of it (it may hold secrets)."""
-    if isinstance(exc, json.JSONDecodeError):
-        return f"{exc.msg} at position {exc.pos}"
-    if isinstance(exc, UnicodeDecodeError):
-        return "it is not UTF-8"
-    return str(exc)
+    # The client's own encoding (Python's json): a result may hold integers past 64 bits.
+    click.echo(encode(dict(body)).decode("utf-8"), err=err)
 
 
 def _fail(error: LeaseError, *, err: bool = False) -> NoReturn:
@@ -489,7 +479,7 @@ def complete_command(**options: Any) -> None:
     try:
         result = decode(text)
     except ValueError as exc:
-        raise click.UsageError(f"the result is not valid JSON: {_json_problem(exc)}") from None
+        raise click.UsageError(f"the result is not valid JSON: {exc}") from None
     target = _target(options)
     token = _owner_token(options, target.environ)
     with target.client as client:

@@ -120,16 +120,24 @@ _decoder = json.JSONDecoder(parse_constant=_no_constant, object_pairs_hook=_uniq
 def decode(text: bytes | str) -> Any:
     """Strict JSON, as the service reads it: no NaN, no number too large for a double
     (``1e400``), no repeated names, no lone surrogate, nesting at most 64 levels;
-    raises ``ValueError`` for anything else.
+    raises ``ValueError`` for anything else, saying what is wrong without repeating
+    any of the text (it may hold secrets).
 
     Python's ``json``, not orjson: orjson reads an integer past 64 bits as a float,
     so a result the service stores and returns exactly (``10**30 + 1``) would come
     back as ``1e+30``."""
     try:
-        value = _decoder.decode(text.decode("utf-8") if isinstance(text, bytes) else text)
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("it is not UTF-8") from None
+    try:
+        value = _decoder.decode(text)
         # The service's own rules for what parsing lets by (a response is an object,
         # checked as it is: its result nests one level below the top, as in the request).
         check_tree(value if isinstance(value, dict) else {"value": value})
+    except json.JSONDecodeError as exc:  # its own text quotes where, not what
+        raise ValueError(f"{exc.msg} at position {exc.pos}") from None
     except RecursionError:
         raise ValueError("nested too deeply") from None
     except InvalidRequest as error:
