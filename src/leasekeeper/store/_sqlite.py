@@ -349,7 +349,7 @@ class SqliteStore:
         if not self.path.is_file():
             return False
         try:
-            with self._inspect() as conn:
+            with self._read_only(leave_no_files=True) as conn:
                 tables = conn.execute(_STORE_TABLES).fetchone()
                 if tables is None or tables[0] != 2:
                     return False
@@ -365,23 +365,27 @@ class SqliteStore:
         when it finds none: for ``leasekeeper fence``, run after a restore, where a store
         copied over a leftover WAL is damaged in ways ``quick_check`` does not look for
         (the order of a table without rowids). It reads the whole file."""
-        uri = f"{self.path.resolve().as_uri()}?mode=ro"  # never immutable: servers may write
         try:
-            with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:
+            with self._read_only() as conn:  # never immutable: servers may be writing
                 found = conn.execute("PRAGMA integrity_check(1)").fetchone()
         except sqlite3.DatabaseError as exc:
             return str(exc)
         return None if found is not None and found[0] == "ok" else str(found[0] if found else "")
 
-    def _inspect(self) -> contextlib.closing[sqlite3.Connection]:
-        """A read-only connection for ``exists``, which must leave another program's
-        file as it found it: with no WAL beside the file (no process has it open),
-        ``immutable`` reads it as it is, creating no ``-wal`` or ``-shm``; with one,
-        ``mode=ro`` reads the file as a server would. The WAL is looked for beside the
-        file itself, where SQLite keeps it, not beside a symbolic link to it."""
+    def _read_only(self, *, leave_no_files: bool = False) -> contextlib.closing[sqlite3.Connection]:
+        """A read-only connection of its own, waiting up to the store's timeout for a lock.
+
+        With ``leave_no_files`` (``exists``, which must leave another program's file as
+        it found it) and no WAL beside the file (no process has it open), ``immutable``
+        reads it as it is, creating no ``-wal`` or ``-shm``; otherwise ``mode=ro`` reads
+        the file as a server would. The WAL is looked for beside the file itself, where
+        SQLite keeps it, not beside a symbolic link to it."""
         real = self.path.resolve()
-        mode = "mode=ro" if Path(f"{real}-wal").exists() else "mode=ro&immutable=1"
-        return contextlib.closing(sqlite3.connect(f"{real.as_uri()}?{mode}", uri=True))
+        mode = "mode=ro"
+        if leave_no_files and not Path(f"{real}-wal").exists():
+            mode += "&immutable=1"
+        uri = f"{real.as_uri()}?{mode}"
+        return contextlib.closing(sqlite3.connect(uri, uri=True, timeout=self._timeout))
 
     async def ping(self) -> None:
         def run(conn: sqlite3.Connection) -> None:
@@ -395,9 +399,7 @@ class SqliteStore:
         now = self._clock.now_ms()
 
         def count() -> int:
-            uri = f"{self.path.resolve().as_uri()}?mode=ro"
-            with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:
-                conn.execute(f"PRAGMA busy_timeout = {int(self._timeout * 1000)}")
+            with self._read_only() as conn:
                 (live,) = conn.execute(_COUNT_LIVE, (now,)).fetchone()
                 return int(live)
 
