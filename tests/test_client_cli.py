@@ -6,11 +6,13 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import click
 import httpx
 import orjson
 import pytest
@@ -560,3 +562,60 @@ def test_a_bad_url_or_timeout_is_a_usage_error(args: list[str], message: str) ->
     result = CliRunner().invoke(main, ["acquire", "--key", "k" * 40, *args], obj=env)
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
+
+
+def _stdout_fails(monkeypatch: pytest.MonkeyPatch, error: OSError) -> None:
+    """Writing to stdout fails as on a full disk or a closed pipe; stderr still works."""
+    real_echo = click.echo
+
+    def echo(message: Any = None, file: Any = None, nl: bool = True, err: bool = False) -> None:
+        if not err:
+            raise error
+        real_echo(message, file=file, nl=nl, err=err)
+
+    monkeypatch.setattr(click, "echo", echo)
+
+
+def test_an_owner_token_that_cannot_be_written_lets_the_key_go(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nobody has the token: the key is released at once, not held for its TTL; exit 1."""
+    with monkeypatch.context() as patched:
+        _stdout_fails(patched, OSError(28, "No space left on device"))
+        result = cli("acquire", "--key", "report", "--ttl", "600")
+    assert result.exit_code == EXIT_ERROR, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    full = "[Errno 28] No space left on device"
+    assert result.stderr == f"leasekeeper: cannot write the output: {full}\n"
+    again = cli("acquire", "--key", "report", "--ttl", "600")
+    assert again.exit_code == 0, again.output
+    assert cli.json(again)["fencing_token"] == 2
+
+
+def test_a_refusal_that_cannot_be_written_keeps_its_exit_code(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The code still says what happened (held: 10), with one line on stderr."""
+    assert cli("acquire", "--key", "busy", "--ttl", "60").exit_code == 0
+    with monkeypatch.context() as patched:
+        _stdout_fails(patched, BrokenPipeError(32, "Broken pipe"))
+        result = cli("acquire", "--key", "busy")
+    assert result.exit_code == EXIT_HELD, result.output
+    assert result.stderr == "leasekeeper: cannot write the output: [Errno 32] Broken pipe\n"
+
+
+def test_output_to_a_full_device_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """A real process: no traceback and no "Exception ignored" from Python's flush at exit."""
+    with Path("/dev/full").open("wb") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "leasekeeper.cli", "namespace", "--url", "http://127.0.0.1:9"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "LEASEKEEPER_URL": ""},
+            timeout=60,
+            check=False,
+        )
+    assert done.returncode == EXIT_UNAVAILABLE  # its refusal was not written; its code says it
+    assert done.stderr.decode() == (
+        "leasekeeper: cannot write the output: [Errno 28] No space left on device\n"
+    )

@@ -63,7 +63,7 @@ from leasekeeper._errors import (
     ServiceUnavailable,
 )
 from leasekeeper.client._http import DEFAULT_TIMEOUT, DEFAULT_URL, decode, encode
-from leasekeeper.client._results import Completed
+from leasekeeper.client._results import Completed, Lease
 from leasekeeper.client._sync import HeldLease, LeaseClient
 
 __all__ = [
@@ -149,14 +149,40 @@ def _env() -> CliEnvironment:
     return found if found is not None else CliEnvironment()
 
 
+class _OutputLost(Exception):
+    """The answer could not be written (a full disk, a closed pipe): the caller never saw it."""
+
+
 def _print_json(body: Mapping[str, Any], *, err: bool = False) -> None:
     # The client's own encoding (Python's json): a result may hold integers past 64 bits.
-    click.echo(encode(dict(body)).decode("utf-8"), err=err)
+    try:
+        click.echo(encode(dict(body)).decode("utf-8"), err=err)
+    except OSError as error:  # BrokenPipeError included
+        raise _OutputLost(f"cannot write the {'error' if err else 'output'}: {error}") from None
+
+
+def _report(body: Mapping[str, Any]) -> None:
+    """Write ``body`` to stderr if it can be: the exit code says the same where it cannot."""
+    with contextlib.suppress(_OutputLost):
+        _print_json(body, err=True)
 
 
 def _fail(error: LeaseError, *, err: bool = False) -> NoReturn:
-    _print_json(error.body(), err=err)
+    try:
+        _print_json(error.body(), err=err)
+    except _OutputLost as lost:  # the exit code still tells what happened
+        _say_output_lost(lost)
     sys.exit(exit_code(error))
+
+
+def _say_output_lost(lost: _OutputLost) -> None:
+    """One line on stderr if it can be written; stdout pointed at /dev/null, so Python's own
+    flush at exit does not fail a second time ("Exception ignored ... BrokenPipeError")."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    with contextlib.suppress(OSError):
+        click.echo(f"leasekeeper: {lost}", err=True)
 
 
 # -- options ------------------------------------------------------------------------------------
@@ -420,7 +446,13 @@ def acquire_command(**options: Any) -> None:
             )
         except LeaseError as error:
             _fail(error)
-    _print_json(outcome.body)
+        try:
+            _print_json(outcome.body)
+        except _OutputLost:
+            if isinstance(outcome, Lease):  # nobody has its owner token: let the key go now
+                with contextlib.suppress(LeaseError):
+                    client.release(target.namespace, target.key, outcome.owner_token)
+            raise
     if isinstance(outcome, Completed):
         sys.exit(EXIT_COMPLETED)
 
@@ -725,7 +757,7 @@ def _run_held(
             process = subprocess.Popen(command, env=child_env, process_group=0)  # noqa: S603
         except OSError as exc:
             why = f"cannot run the command: {exc.strerror}"
-            _print_json({"ok": False, "status": "error", "error": why}, err=True)
+            _report({"ok": False, "status": "error", "error": why})
             return EXIT_NOT_STARTED
         started.append(process)  # from here the handler passes signals on itself
         while unsent:  # those that came while it was starting
@@ -740,7 +772,7 @@ def _run_held(
         if held.lost.is_set() and process.poll() is None:
             how = _stop(process, options["grace"])
             lost = held.lost_error.error if held.lost_error else "the lease was lost"
-            _print_json({"ok": False, "status": "lost", "error": lost, "command": how}, err=True)
+            _report({"ok": False, "status": "lost", "error": lost, "command": how})
             return EXIT_LOST
         process.wait()
         if _group_alive(process):  # the lease covers the whole group: none of it outlives it
@@ -753,13 +785,13 @@ def _run_held(
     status = _shell_status(process.returncode)
     if held.lost.is_set():
         lost = held.lost_error.error if held.lost_error else "the lease was lost"
-        _print_json({"ok": False, "status": "lost", "error": lost, "exit_code": status}, err=True)
+        _report({"ok": False, "status": "lost", "error": lost, "exit_code": status})
         return EXIT_LOST
     if options["record"] and not received:
         try:
             client._complete_once(held, {"exit_code": status})  # retried while held
         except LeaseError as error:  # the status is said, since it could not be stored
-            _print_json({**error.body(), "exit_code": status}, err=True)
+            _report({**error.body(), "exit_code": status})
             return exit_code(error)
         progress.say(f"recorded exit code {status}")
     return status
@@ -767,7 +799,8 @@ def _run_held(
 
 def _exit_130_on_interrupt(callback: Callable[..., Any]) -> Callable[..., Any]:
     """A Ctrl-C that reaches Python (while waiting, say) exits 130, as a shell reports
-    SIGINT, rather than click's "Aborted!" with 1, which the table keeps for errors."""
+    SIGINT, rather than click's "Aborted!" with 1, which the table keeps for errors.
+    An answer that could not be written exits 1 with one line on stderr, not a traceback."""
 
     @functools.wraps(callback)
     def interruptible(*args: Any, **kwargs: Any) -> Any:
@@ -775,6 +808,9 @@ def _exit_130_on_interrupt(callback: Callable[..., Any]) -> Callable[..., Any]:
             return callback(*args, **kwargs)
         except KeyboardInterrupt:
             sys.exit(128 + signal.SIGINT)
+        except _OutputLost as lost:  # the caller did not get the answer it asked for
+            _say_output_lost(lost)
+            sys.exit(1)
 
     return interruptible
 
