@@ -69,6 +69,8 @@ def test_a_mint_flood_is_refused_while_another_client_mints_and_works(
     assert codes.count(201) == 100 and codes.count(429) == 50
     refused = attacker.post(f"{BASE}/lease/namespace")
     assert refused.headers["retry-after"] == "1" and refused.json()["status"] == "rate_limited"
+    why = "Too many namespaces minted from this address; retry after 1 second"
+    assert refused.json()["error"] == why
     serves_normally(normal)
 
 

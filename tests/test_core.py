@@ -30,6 +30,7 @@ from leasekeeper._core.model import (
     Renewed,
 )
 from leasekeeper._schemas import AcquireBody, parse_body
+from leasekeeper.client._http import decode
 from leasekeeper.store import decide_with_fence
 
 KEY = b"k" * 32
@@ -387,6 +388,22 @@ class TestStrictJson:
         """Each non-strict JSON body is refused with a reason."""
         with pytest.raises(InvalidRequest, match=message):
             validation.parse_json_object(body)
+
+    @pytest.mark.parametrize(
+        ("body", "message"),
+        [
+            (b'{"a": ', "Expecting value at position 6"),
+            (b'{"a": "x\ny"}', "Invalid control character at position 8"),
+            (b'{"a": "xy', "Unterminated string starting at position 6"),
+        ],
+    )
+    def test_a_parse_error_says_what_and_where_once(self, body: bytes, message: str) -> None:
+        """The decoder's words and the position, not "at at": some of its words end in "at"."""
+        with pytest.raises(InvalidRequest) as refused:
+            validation.parse_json_object(body)
+        assert refused.value.error == f"Body is not valid JSON: {message}"
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            decode(body)
 
     def test_nesting_limit_is_64_levels(self) -> None:
         """64 levels of nesting pass; 65 do not."""

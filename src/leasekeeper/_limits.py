@@ -73,9 +73,8 @@ class RateLimiter:
         """Spend one token for ``key``, or raise ``RateLimited`` ("Too many {what}; ...")."""
         wait = self.take(key)
         if wait is not None:
-            raise RateLimited(
-                f"Too many {what}; retry after {wait} seconds", retry_after_seconds=wait
-            )
+            seconds = "1 second" if wait == 1 else f"{wait} seconds"
+            raise RateLimited(f"Too many {what}; retry after {seconds}", retry_after_seconds=wait)
 
 
 def client_address(scope: Mapping[str, Any]) -> str:

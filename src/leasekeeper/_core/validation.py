@@ -138,6 +138,12 @@ def _flat_object(body: bytes) -> dict[str, Any] | None:
     return value if body.count(b'"') == 2 * strings else None
 
 
+def json_failure(exc: json.JSONDecodeError) -> str:
+    """What the decoder found wrong and where, never the input itself: "Expecting value at
+    position 7" (some of its messages end in "at" already: "Invalid control character at")."""
+    return f"{exc.msg.removesuffix(' at')} at position {exc.pos}"
+
+
 def _parse_strict(body: bytes) -> dict[str, Any]:
     try:
         text = body.decode("utf-8")
@@ -150,8 +156,7 @@ def _parse_strict(body: bytes) -> dict[str, Any]:
     except RecursionError:
         raise InvalidRequest(f"Body nests deeper than {MAX_DEPTH} levels") from None
     except json.JSONDecodeError as exc:
-        # exc.msg is the decoder's description of the problem, never the input itself.
-        raise InvalidRequest(f"Body is not valid JSON: {exc.msg} at position {exc.pos}") from None
+        raise InvalidRequest(f"Body is not valid JSON: {json_failure(exc)}") from None
     except ValueError:
         # Python refuses to convert an integer of more than sys.get_int_max_str_digits()
         # (4,300) digits, and nothing could store or return one (the MCP SDK's parser

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from leasekeeper._core.validation import check_tree
+from leasekeeper._core.validation import check_tree, json_failure
 from leasekeeper._errors import (
     InvalidRequest,
     LeaseError,
@@ -137,7 +137,7 @@ def decode(text: bytes | str) -> Any:
         # checked as it is: its result nests one level below the top, as in the request).
         check_tree(value if isinstance(value, dict) else {"value": value})
     except json.JSONDecodeError as exc:  # its own text quotes where, not what
-        raise ValueError(f"{exc.msg} at position {exc.pos}") from None
+        raise ValueError(json_failure(exc)) from None
     except RecursionError:
         raise ValueError("nested too deeply") from None
     except InvalidRequest as error:
