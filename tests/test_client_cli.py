@@ -564,6 +564,16 @@ def test_a_bad_url_or_timeout_is_a_usage_error(args: list[str], message: str) ->
     assert message in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("url", ["127.0.0.1:8787", "ftp://lk.test", "http://lk.test:99999"])
+def test_namespace_with_a_bad_url_is_a_usage_error_too(url: str) -> None:
+    """``namespace`` builds its client as the other commands do: exit 2, not a traceback."""
+    env = CliEnvironment(environ={"PATH": os.environ.get("PATH", ""), "LEASEKEEPER_URL": url})
+    result = CliRunner().invoke(main, ["namespace"], obj=env)
+    assert result.exit_code == 2, result.output
+    assert "--url or LEASEKEEPER_URL" in result.output and result.exception is not None
+    assert isinstance(result.exception, SystemExit)
+
+
 def _stdout_fails(monkeypatch: pytest.MonkeyPatch, error: OSError) -> None:
     """Writing to stdout fails as on a full disk or a closed pipe; stderr still works."""
     real_echo = click.echo

@@ -151,7 +151,19 @@ def test_an_answer_that_cannot_be_decoded_is_unreachable_in_both_clients() -> No
 
 
 @pytest.mark.parametrize(
-    "url", ["127.0.0.1:8787", "user:s3cret@lk.test", "ftp://lk.test", "http://", "::"]
+    "url",
+    [
+        "127.0.0.1:8787",
+        "user:s3cret@lk.test",
+        "ftp://lk.test",
+        "http://",
+        "::",
+        "http://127.0.0.1:99999",  # the async client leaked an ExceptionGroup for this one
+        "http://lk.test:-1",
+        "http://lk.test:0",
+        "http://lk.test?x=1",  # the API path would follow the query: every call a 404
+        "http://lk.test/#top",
+    ],
 )
 def test_a_service_url_without_http_or_a_host_is_refused_at_once(url: str) -> None:
     """Not a request that fails as unreachable, which ``once`` would retry for ever."""
@@ -161,7 +173,69 @@ def test_a_service_url_without_http_or_a_host_is_refused_at_once(url: str) -> No
         AsyncLeaseClient(url)
     # One fixed sentence: the URL, which may hold credentials, is not repeated.
     assert str(sync_refused.value) == (
-        "the service URL must be http:// or https:// with a host, as http://127.0.0.1:8787"
+        "the service URL must be http:// or https:// with a host, a port from 1 to 65535 "
+        "if any, and no query or fragment, as http://127.0.0.1:8787"
     )
-    for good in ("http://127.0.0.1:8787", "https://lk.test/services/v1/"):
+    for good in ("http://127.0.0.1:8787", "https://lk.test/services/v1/", "http://lk.test:65535"):
         LeaseClient(good).close()
+
+
+@pytest.mark.parametrize("seconds", [10**20, 10**9, -5, 0])
+def test_a_wait_no_service_would_ask_for_falls_back_to_the_header_or_1(seconds: int) -> None:
+    """A 503 asking for 10**20 s overflowed the sync client's sleep and hung the async one."""
+    body = {"status": "unavailable", "retry_after_seconds": seconds}
+    assert error_from_body(body, http_status=503).retry_after == 1
+    assert error_from_body(body, http_status=503, retry_after=7).retry_after == 7
+    longest = {"status": "unavailable", "retry_after_seconds": 999_999_999}
+    assert error_from_body(longest, http_status=503).retry_after == 999_999_999
+
+
+_NOT_OUR_ANSWERS = {
+    "/lease/namespace": {"ok": True},
+    "/lease/renew": {
+        "ok": True,
+        "status": "held",
+        "fencing_token": 1,
+        "ttl_seconds": 60,
+        "lease_expires_at_timestamp": 10**17,  # no datetime has that second
+        "absolute_expires_at_timestamp": 1,
+    },
+    "/lease/complete": {
+        "ok": True,
+        "status": "completed",
+        "result": None,
+        "fencing_token": 1,
+        "completed_at": "99999-01-01T00:00:00Z",
+        "absolute_expires_at": "2026-09-06T10:00:00Z",
+    },
+}
+
+
+def _answers_not_ours(request: httpx.Request) -> httpx.Response:
+    path = request.url.path.removeprefix("/services/v1")
+    return httpx.Response(200, json=_NOT_OUR_ANSWERS[path])
+
+
+def test_a_success_with_fields_no_service_would_send_is_internal_in_both_clients() -> None:
+    """Not a KeyError, OSError or ValueError from reading it (the CLI showed tracebacks)."""
+    token = "own_" + "a" * 43
+    transport = httpx.MockTransport(_answers_not_ours)
+    with LeaseClient("http://lk.test", transport=transport) as client:
+        with pytest.raises(InternalError, match="'namespace'"):
+            client.create_namespace()
+        with pytest.raises(InternalError, match="'lease_expires_at_timestamp'"):
+            client.renew(None, "k" * 40, token)
+        with pytest.raises(InternalError, match="'completed_at'"):
+            client.complete(None, "k" * 40, token, None)
+
+    async def scenario() -> None:
+        transport = httpx.MockTransport(_answers_not_ours)
+        async with AsyncLeaseClient("http://lk.test", transport=transport) as client:
+            with pytest.raises(InternalError, match="'namespace'"):
+                await client.create_namespace()
+            with pytest.raises(InternalError, match="'lease_expires_at_timestamp'"):
+                await client.renew(None, "k" * 40, token)
+            with pytest.raises(InternalError, match="'completed_at'"):
+                await client.complete(None, "k" * 40, token, None)
+
+    asyncio.run(scenario())

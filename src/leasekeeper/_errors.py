@@ -301,9 +301,18 @@ def _str(value: Any) -> str:
     return value if isinstance(value, str) else ""
 
 
+#: The longest wait taken from an answer (31 years: the header's 9 digits). A longer one
+#: is no answer of ours, and is ignored like a malformed one: sleeping it would overflow
+#: (``OverflowError`` in ``time.sleep``) or never end.
+MAX_RETRY_AFTER = 999_999_999
+
+
 def _wait(body: Mapping[str, Any], retry_after: int | None) -> int:
     """``retry_after_seconds`` from the body, else the header, else 1 (at least 1)."""
-    return max(1, _int(body.get("retry_after_seconds"), retry_after or 1))
+    seconds = _int(body.get("retry_after_seconds"), 0)
+    if not 1 <= seconds <= MAX_RETRY_AFTER:
+        seconds = retry_after or 1
+    return max(1, seconds)
 
 
 _Builder = Callable[[str | None, Mapping[str, Any], int | None], LeaseError]

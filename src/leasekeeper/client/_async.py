@@ -35,6 +35,7 @@ from leasekeeper.client._results import (
     parse_acquire,
     parse_completed,
     parse_lease,
+    parse_namespace,
     parse_released,
 )
 from leasekeeper.client._sync import (
@@ -131,7 +132,7 @@ class AsyncLeaseClient:
 
     async def create_namespace(self) -> str:
         """Mint a namespace: a 256-bit bearer secret. Keep it; nobody can recover it."""
-        return str((await self._post("/lease/namespace", {}))["namespace"])
+        return parse_namespace(await self._post("/lease/namespace", {}))
 
     async def acquire(
         self,

@@ -339,7 +339,6 @@ def _target(options: Mapping[str, Any], *, with_fingerprint: bool = False) -> _T
     _log_warnings()
     env = _env()
     environ = env.environ
-    url = options.get("url") or environ.get("LEASEKEEPER_URL") or DEFAULT_URL
     namespace = _secret(
         "namespace",
         options,
@@ -352,11 +351,16 @@ def _target(options: Mapping[str, Any], *, with_fingerprint: bool = False) -> _T
     fingerprint = (
         _secret("fingerprint", options, environ, required=False) if with_fingerprint else None
     )
+    return _Target(_client(env, options), namespace, str(key), fingerprint, environ)
+
+
+def _client(env: CliEnvironment, options: Mapping[str, Any]) -> LeaseClient:
+    """The client for ``--url`` (or ``LEASEKEEPER_URL``); a bad URL is a usage error."""
+    url = options.get("url") or env.environ.get("LEASEKEEPER_URL") or DEFAULT_URL
     try:
-        client = env.make_client(url, float(options["timeout"]))
+        return env.make_client(url, float(options["timeout"]))
     except ValueError as exc:  # not an http(s) URL with a host (the URL is not repeated)
         raise click.UsageError(f"--url or LEASEKEEPER_URL: {exc}") from None
-    return _Target(client, namespace, str(key), fingerprint, environ)
 
 
 def _owner_token(options: Mapping[str, Any], environ: Mapping[str, str]) -> str:
@@ -408,9 +412,7 @@ def _progress_option(function: F) -> F:
 @_connection_options
 def namespace_command(**options: Any) -> None:
     """Mint a namespace and print it as JSON: a secret; store it with care (umask 077)."""
-    env = _env()
-    url = options.get("url") or env.environ.get("LEASEKEEPER_URL") or DEFAULT_URL
-    with env.make_client(url, float(options["timeout"])) as client:
+    with _client(_env(), options) as client:
         try:
             namespace = client.create_namespace()
         except LeaseError as error:

@@ -15,6 +15,7 @@ import httpx
 
 from leasekeeper._core.validation import check_tree, json_failure
 from leasekeeper._errors import (
+    MAX_RETRY_AFTER,
     InvalidRequest,
     LeaseError,
     ServiceUnreachable,
@@ -55,7 +56,8 @@ def api_root(base_url: str) -> str:
 def http_root(base_url: str | None) -> str:
     """The API root of ``base_url`` (by default ``DEFAULT_URL``) for a client of our own.
 
-    ``ValueError`` unless it is an ``http://`` or ``https://`` URL with a host: one
+    ``ValueError`` unless it is an ``http://`` or ``https://`` URL with a host (and a
+    port in range, and no query or fragment, which the API path would follow): one
     without its scheme (``127.0.0.1:8787``) would fail every request as unreachable,
     which a caller waiting for ever (``once``) would retry for ever. The message does
     not repeat the URL, which may hold credentials.
@@ -65,9 +67,17 @@ def http_root(base_url: str | None) -> str:
         url = httpx.URL(root)
     except httpx.InvalidURL:
         url = None
-    if url is None or url.scheme not in ("http", "https") or not url.host:
+    if (
+        url is None
+        or url.scheme not in ("http", "https")
+        or not url.host
+        or not (url.port is None or 1 <= url.port <= 65_535)  # httpx lets 99999 and -1 by
+        or url.query  # the API path would land after it: every request a 404
+        or url.fragment
+    ):
         raise ValueError(
-            f"the service URL must be http:// or https:// with a host, as {DEFAULT_URL}"
+            "the service URL must be http:// or https:// with a host, a port from 1 to 65535 "
+            f"if any, and no query or fragment, as {DEFAULT_URL}"
         )
     return root
 
@@ -167,7 +177,7 @@ def _retry_after(response: httpx.Response) -> int | None:
     if not (value.isascii() and value.isdigit()):
         return None
     significant = value.lstrip("0") or "0"
-    return int(significant) if len(significant) <= 9 else None
+    return int(significant) if len(significant) <= len(str(MAX_RETRY_AFTER)) else None
 
 
 def read_response(response: httpx.Response) -> dict[str, Any]:

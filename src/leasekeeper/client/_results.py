@@ -20,6 +20,7 @@ __all__ = [
     "parse_acquire",
     "parse_completed",
     "parse_lease",
+    "parse_namespace",
     "parse_released",
 ]
 
@@ -62,13 +63,19 @@ class Released:
     body: dict[str, Any] = field(repr=False, compare=False, hash=False)
 
 
-def _from_timestamp(seconds: int) -> datetime:
-    return datetime.fromtimestamp(seconds, UTC)
+def _from_timestamp(name: str, seconds: int) -> datetime:
+    try:
+        return datetime.fromtimestamp(seconds, UTC)
+    except (OverflowError, OSError, ValueError):  # no datetime has that second
+        raise InternalError(f"The service's response lacks a valid {name!r}") from None
 
 
-def _from_iso(text: str) -> datetime:
+def _iso_field(body: dict[str, Any], name: str) -> datetime:
     # The service writes YYYY-MM-DDTHH:MM:SSZ; fromisoformat reads the Z since 3.11.
-    return datetime.fromisoformat(text).astimezone(UTC)
+    try:
+        return datetime.fromisoformat(_field(body, name, str)).astimezone(UTC)
+    except (OverflowError, ValueError):
+        raise InternalError(f"The service's response lacks a valid {name!r}") from None
 
 
 def _field(body: dict[str, Any], name: str, kind: type) -> Any:
@@ -87,9 +94,9 @@ def parse_lease(body: dict[str, Any], owner_token: str | None = None) -> Lease:
         owner_token=token,
         fencing_token=_field(body, "fencing_token", int),
         ttl_seconds=_field(body, "ttl_seconds", int),
-        lease_expires_at=_from_timestamp(lease_ts),
+        lease_expires_at=_from_timestamp("lease_expires_at_timestamp", lease_ts),
         lease_expires_at_timestamp=lease_ts,
-        absolute_expires_at=_from_timestamp(absolute_ts),
+        absolute_expires_at=_from_timestamp("absolute_expires_at_timestamp", absolute_ts),
         absolute_expires_at_timestamp=absolute_ts,
         body=body,
     )
@@ -102,8 +109,8 @@ def parse_completed(body: dict[str, Any]) -> Completed:
     return Completed(
         result=body["result"],
         fencing_token=_field(body, "fencing_token", int),
-        completed_at=_from_iso(_field(body, "completed_at", str)),
-        absolute_expires_at=_from_iso(_field(body, "absolute_expires_at", str)),
+        completed_at=_iso_field(body, "completed_at"),
+        absolute_expires_at=_iso_field(body, "absolute_expires_at"),
         body=body,
     )
 
@@ -116,6 +123,11 @@ def parse_acquire(body: dict[str, Any]) -> Lease | Completed:
     if status == "completed":
         return parse_completed(body)
     raise InternalError("The service's acquire response has an unknown status")
+
+
+def parse_namespace(body: dict[str, Any]) -> str:
+    """The minted namespace from a mint's body."""
+    return str(_field(body, "namespace", str))
 
 
 def parse_released(body: dict[str, Any]) -> Released:

@@ -43,6 +43,7 @@ from leasekeeper.client._results import (
     parse_acquire,
     parse_completed,
     parse_lease,
+    parse_namespace,
     parse_released,
 )
 from leasekeeper.client._timing import RenewalPlan, acquire_delay, as_seconds
@@ -188,7 +189,7 @@ class LeaseClient:
 
     def create_namespace(self) -> str:
         """Mint a namespace: a 256-bit bearer secret. Keep it; nobody can recover it."""
-        return str(self._post("/lease/namespace", {})["namespace"])
+        return parse_namespace(self._post("/lease/namespace", {}))
 
     def acquire(
         self,
