@@ -383,6 +383,17 @@ class TestReleaseAndComplete:
         done = api.complete(namespace=ns, key=KEY, owner_token=lease["owner_token"], result=fits)
         assert done.status_code == 200
 
+    def test_result_too_large_is_413_before_ownership_is_looked_at(self, api: Api, ns: str) -> None:
+        """The size is checked before the store: a non-owner's big result is 413, not lost."""
+        lease = granted(api.acquire(namespace=ns, key=KEY))
+        stranger = "own_" + "A" * 43
+        big = "x" * 32_767
+        refused = api.complete(namespace=ns, key=KEY, owner_token=stranger, result=big)
+        error(refused, 413, "too_large")
+        small = api.complete(namespace=ns, key=KEY, owner_token=stranger, result="x")
+        error(small, 409, "lost")
+        assert api.renew(namespace=ns, key=KEY, owner_token=lease["owner_token"]).status_code == 200
+
 
 class TestLost:
     @pytest.mark.parametrize("operation", ["renew", "release", "complete"])
