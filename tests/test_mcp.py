@@ -32,6 +32,7 @@ from starlette.testclient import TestClient
 
 import leasekeeper.mcp
 from leasekeeper import FakeClock, LeaseService, Settings
+from leasekeeper._core.validation import UTF8_BOM
 from leasekeeper.cli import serve_app
 from leasekeeper.http import create_app
 from leasekeeper.mcp import TOOL_OPERATIONS, create_mcp_server
@@ -477,7 +478,12 @@ def call_over_mcp(
 
 
 def post_tool_call(
-    client: TestClient, era: str, name: str, arguments: dict[str, Any] | str
+    client: TestClient,
+    era: str,
+    name: str,
+    arguments: dict[str, Any] | str,
+    *,
+    prefix: bytes = b"",
 ) -> httpx.Response:
     """A stateless tools/call POST to /mcp, as a handshake-era or a 2026-07-28 client
     sends it (the SDK serves the two on different paths). ``arguments`` as a string is
@@ -496,7 +502,7 @@ def post_tool_call(
     if isinstance(arguments, str):
         text = text.replace('"RAW"', arguments)
     headers["content-type"] = "application/json"
-    return client.post("/mcp", content=text.encode(), headers=headers)
+    return client.post("/mcp", content=prefix + text.encode(), headers=headers)
 
 
 class CountingRandom:
@@ -547,12 +553,12 @@ def test_mcp_route_keeps_the_api_guarantees(app_with_mcp: TestClient) -> None:
 
 @pytest.mark.parametrize("era", ERAS)
 @pytest.mark.parametrize("number", ["NaN", "-Infinity", "1e999"])
-def test_numbers_json_does_not_have_are_invalid_over_mcp(
+def test_numbers_json_does_not_have_are_a_parse_error_over_mcp(
     app_with_mcp: TestClient, era: str, number: str
 ) -> None:
     """``NaN``, ``Infinity`` and a number past a double, which the SDK's JSON-RPC parser
-    reads as floats, are tool errors with status invalid, as in an HTTP body, wherever
-    they are in the arguments; the lease stays as it was."""
+    reads as floats, are not JSON: the parse error (-32700, with the request's id), as
+    over stdio, wherever they are, in the arguments or not; the lease stays as it was."""
     namespace = app_with_mcp.post("/services/v1/lease/namespace", json={}).json()["namespace"]
     lease = {"namespace": namespace, "key": "job"}
     token = body(call_over_mcp(app_with_mcp, era, "acquire_lease", lease))["owner_token"]
@@ -560,14 +566,55 @@ def test_numbers_json_does_not_have_are_invalid_over_mcp(
     for name, arguments in [
         ("complete_lease", f'{owned}, "result": {{"x": [1, {number}]}}}}'),
         ("renew_lease", f'{owned}, "ttl_seconds": {number}}}'),
+        ("renew_lease", f'{owned}}}, "note": {{"x": {number}}}'),  # beside the arguments
     ]:
-        reply = call_over_mcp(app_with_mcp, era, name, arguments)
-        assert reply.is_error and body(reply)["status"] == "invalid", body(reply)
-        assert body(reply)["error"].startswith("Body is not valid JSON: a number is")
+        response = post_tool_call(app_with_mcp, era, name, arguments)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (response.json()["id"], error["code"]) == (7, -32700)
+        assert error["message"].startswith("Parse error: Body is not valid JSON: ")
+        assert "number" in error["message"]
     done = call_over_mcp(
         app_with_mcp, era, "complete_lease", {**lease, "owner_token": token, "result": 1}
     )
     assert body(done)["status"] == "completed"
+
+
+@pytest.mark.parametrize("era", ERAS)
+def test_a_byte_order_mark_before_an_mcp_body_is_ignored(
+    app_with_mcp: TestClient, era: str
+) -> None:
+    """As before an API body and a stdio line (the SDK's older transport refused it)."""
+    namespace = app_with_mcp.post("/services/v1/lease/namespace", json={}).json()["namespace"]
+    arguments = json.dumps({"namespace": namespace, "key": "job"})
+    response = post_tool_call(app_with_mcp, era, "acquire_lease", arguments, prefix=UTF8_BOM)
+    assert response.status_code == 200, response.text
+    assert response.json()["result"]["structuredContent"]["status"] == "held"
+
+
+@pytest.mark.parametrize(
+    ("message", "answer_id"),
+    [
+        (b'{"jsonrpc": "2.0", "id": true, "method": "ping"}', None),
+        (b'{"jsonrpc": "2.0", "id": 1.5, "method": "ping"}', None),
+        (b'{"jsonrpc": "2.0", "id": {}, "method": "ping"}', None),
+        (b'{"jsonrpc": "1.0", "id": 5, "method": "ping"}', 5),
+        (b'[{"jsonrpc": "2.0", "id": 1, "method": "ping"}]', None),
+    ],
+)
+def test_what_is_not_one_json_rpc_message_is_invalid_request_over_mcp(
+    app_with_mcp: TestClient, message: bytes, answer_id: int | None
+) -> None:
+    """-32600 with the id where it is one, as over stdio: the SDK took a bad id for a
+    notification (202, nothing run) and answered a batch with -32602."""
+    headers = {**_MCP_HEADERS, "content-type": "application/json"}
+    response = app_with_mcp.post("/mcp", content=message, headers=headers)
+    assert response.status_code == 400, response.text
+    assert response.json()["id"] == answer_id
+    assert response.json()["error"] == {
+        "code": -32600,
+        "message": "Validation error: the message is not a valid JSON-RPC request",
+    }
 
 
 @pytest.mark.parametrize("era", ERAS)
@@ -818,7 +865,7 @@ def test_arguments_too_deep_spend_no_namespace_token_as_over_http(
 ) -> None:
     """Arguments that HTTP's parser would refuse (nested past the limit) are refused
     before the namespace limit is spent, as over HTTP: with a per-namespace burst of 1,
-    the call after two refused ones is still served."""
+    the call after a refused one is still served."""
     limits = {"LEASEKEEPER_NAMESPACE_REQUEST_BURST": "1", "LEASEKEEPER_NAMESPACE_REQUEST_RATE": "1"}
     deep: Any = 1
     for _ in range(70):
@@ -831,9 +878,10 @@ def test_arguments_too_deep_spend_no_namespace_token_as_over_http(
             "/services/v1/lease", content=body, headers={"content-type": "application/json"}
         )
         assert over_http.status_code == 400
-        refused(
-            call_over_mcp(client, era, "acquire_lease", {**lease, "fingerprint": deep}),
-            "invalid",
+        too_deep = post_tool_call(client, era, "acquire_lease", {**lease, "fingerprint": deep})
+        assert too_deep.status_code == 400  # the message nests past 64 levels: -32700
+        assert (
+            too_deep.json()["error"]["message"] == "Parse error: Body nests deeper than 64 levels"
         )
         assert ok(call_over_mcp(client, era, "acquire_lease", lease))["status"] == "held"
 
@@ -1120,3 +1168,21 @@ def test_stdio_lines_are_split_and_bounded_as_sent() -> None:
         os.close(read_end)
         if write_end != -1:
             os.close(write_end)
+
+
+@pytest.mark.parametrize("era", ERAS)
+def test_an_accept_without_json_is_406_with_a_sentence(app_with_mcp: TestClient, era: str) -> None:
+    """Both of the SDK's transports say why (its 2026-07-28 one sent no body at all)."""
+    message: dict[str, Any] = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+    headers = {"accept": "text/html", "content-type": "application/json"}
+    if era == _MODERN:
+        headers |= {"mcp-protocol-version": _MODERN, "mcp-method": "ping"}
+        message["params"] = {
+            "_meta": {
+                "io.modelcontextprotocol/protocolVersion": _MODERN,
+                "io.modelcontextprotocol/clientCapabilities": {},
+            }
+        }
+    response = app_with_mcp.post("/mcp", json=message, headers=headers)
+    assert response.status_code == 406
+    assert "Not Acceptable: Client must accept application/json" in response.text

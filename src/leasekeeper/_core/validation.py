@@ -26,7 +26,6 @@ __all__ = [
     "check_namespaced_key",
     "check_text",
     "check_tree",
-    "check_unique_names",
     "encode_result",
     "key_entropy_bits",
     "parse_json_object",
@@ -82,20 +81,6 @@ _decoder = json.JSONDecoder(
     parse_constant=_reject_constant,
     parse_float=_finite_float,
 )
-
-
-def check_unique_names(text: bytes) -> None:
-    """Raise ``InvalidRequest`` when an object anywhere in the JSON ``text`` repeats a
-    name. Text that is not JSON passes: whoever parses it next refuses it.
-
-    For JSON that another parser reads (the MCP SDK's JSON-RPC parser keeps the last
-    of a repeated name): what it and a proxy in front of it read could differ."""
-    try:
-        json.loads(text, object_pairs_hook=_unique_object)
-    except InvalidRequest:
-        raise
-    except (ValueError, RecursionError):
-        return
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:

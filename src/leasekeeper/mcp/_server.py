@@ -74,7 +74,6 @@ from leasekeeper._core.validation import (
     NOT_AN_OBJECT,
     UTF8_BOM,
     check_tree,
-    check_unique_names,
     parse_json_object,
 )
 from leasekeeper._errors import (
@@ -559,10 +558,10 @@ class _Gate:
       not send would hold every connection slot.
     - A body over ``max_body`` bytes, or a ``Content-Length`` announcing one, gets
       the API's 413 ``too_large`` (the connection is closed: the rest is not read).
-    - JSON that repeats a name in an object is refused before the SDK reads it,
-      which would keep the last of the two while a gateway in front of ``/mcp``
-      may read the first: the JSON-RPC answer for JSON that cannot be parsed
-      (HTTP 400, code -32700), as malformed JSON gets from the SDK.
+    - The body is read by the API's rules (``read_message``, as each line over stdio)
+      before the SDK reads it, and one refused gets its JSON-RPC error with HTTP 400,
+      as the SDK answers malformed JSON. A byte-order mark is ignored, as before an
+      API body (the SDK's older transport refused it).
     - The SDK's answer to a message that is not valid JSON-RPC quotes pydantic's
       error, which quotes the input (namespaces, owner tokens): that message is
       replaced by one that names no value.
@@ -583,10 +582,10 @@ class _Gate:
         except (PayloadTooLarge, RequestTimeout) as error:
             await _closing(error)(scope, receive, send)  # the rest is not read
             return
-        try:
-            check_unique_names(body)
-        except InvalidRequest as error:
-            await _parse_error(error.error)(scope, receive, send)
+        body = body.removeprefix(UTF8_BOM)  # ignored, as before a body of the API's
+        read = read_message(body)
+        if isinstance(read, Refusal):
+            await _refused(read)(scope, receive, send)
             return
         whole: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
 
@@ -611,13 +610,51 @@ def _closing(error: LeaseError) -> Response:
     return response
 
 
-def _parse_error(message: str) -> Response:
-    error = {"code": types.PARSE_ERROR, "message": f"Parse error: {message}"}
-    body = orjson.dumps({"jsonrpc": "2.0", "id": None, "error": error})
+def _refused(refusal: Refusal) -> Response:
+    """The JSON-RPC error for a body ``read_message`` refused: HTTP 400, as the SDK's own."""
+    error = {"code": refusal.code, "message": refusal.message}
+    body = orjson.dumps({"jsonrpc": "2.0", "id": refusal.id, "error": error})
     return Response(body, status_code=400, media_type="application/json")
 
 
 _NOT_JSON_RPC = "Validation error: the message is not a valid JSON-RPC request"
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why ``read_message`` refused a message, and the ``id`` to answer it with."""
+
+    id: int | str | None
+    code: int
+    message: str
+
+
+def read_message(text: bytes) -> dict[str, Any] | Refusal:
+    """One JSON-RPC message, a ``/mcp`` body or a line of stdin (a byte-order mark
+    already stripped), read by the API's rules, or why it is refused.
+
+    Not strict JSON (UTF-8, no repeated name, no NaN, no lone surrogate, nesting at
+    most 64 levels): the parse error (-32700), with the ``id`` a lenient reading finds.
+    The SDK's parsers would keep the last of a repeated name, while a gateway in front
+    may read the first. JSON but not one JSON-RPC message (an array, a batch, a
+    message of no known shape, an ``id`` that is neither an integer nor a string,
+    which the SDK took for a notification and answered nothing): the invalid-request
+    error (-32600), with the message's ``id`` where it is one. The sentences quote
+    no input (pydantic's would: namespaces, owner tokens).
+    """
+    try:
+        message = parse_json_object(text)
+    except InvalidRequest as error:
+        if error.error == NOT_AN_OBJECT:  # JSON, but no JSON-RPC message
+            return Refusal(None, types.INVALID_REQUEST, _NOT_JSON_RPC)
+        return Refusal(_lenient_id(text), types.PARSE_ERROR, f"Parse error: {error.error}")
+    try:
+        types.jsonrpc_message_adapter.validate_python(message, by_name=False)
+        if "id" in message and _id_of(message) is None:
+            raise ValueError("an id must be an integer or a string")
+    except ValueError:  # pydantic's ValidationError; its text quotes the input
+        return Refusal(_id_of(message), types.INVALID_REQUEST, _NOT_JSON_RPC)
+    return message
 
 
 def _sdk_errors_as_json(send: Send) -> Send:
@@ -634,7 +671,7 @@ def _sdk_errors_as_json(send: Send) -> Send:
             return
         if held is not None and message["type"] == "http.response.body":
             start, held = held, None
-            body = _safe_error_body(message.get("body", b""))
+            body = _safe_error_body(message.get("body", b""), start["status"])
             if body is not None:
                 headers = [
                     (name, value)
@@ -651,12 +688,18 @@ def _sdk_errors_as_json(send: Send) -> Send:
     return sending
 
 
-def _safe_error_body(body: bytes) -> bytes | None:
+#: What an SDK refusal without a body says (its 2026-07-28 transport answers 406 so).
+_EMPTY_REFUSALS: Final = {406: "Not Acceptable: Client must accept application/json"}
+
+
+def _safe_error_body(body: bytes, status: int) -> bytes | None:
     """What an SDK error body becomes (None: it stays as it is)."""
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError:  # the SDK's plain text: fixed sentences, no input
-        sentence = body.decode("utf-8", "replace").strip()[:200] or "The request was refused"
+        sentence = body.decode("utf-8", "replace").strip()[:200] or _EMPTY_REFUSALS.get(
+            status, "The request was refused"
+        )
         return orjson.dumps({"ok": False, "status": "invalid", "error": sentence})
     error = parsed.get("error") if isinstance(parsed, dict) else None
     if isinstance(error, dict) and str(error.get("message")).startswith("Validation error"):
@@ -695,22 +738,18 @@ async def serve_stdio(
 
 
 class StrictStdin:
-    """What the SDK's stdio transport reads instead of stdin: lines checked as ``/mcp``
-    checks a body, and the ones refused answered here, never handed on.
+    """What the SDK's stdio transport reads instead of stdin: lines read as ``/mcp``
+    reads a body (``read_message``), and the ones refused answered here, never
+    handed on.
 
     The SDK reads stdin with ``errors="replace"`` (two different malformed byte
     sequences became one key), keeps the last of a repeated name (``"key":"a",
     "key":"b"`` took a lease on ``b``) and answers nothing to a line it cannot
-    parse or validate, so its peer waited for ever. Here a line that is not strict
-    JSON by the API's rules (UTF-8, no repeated name, no NaN, no lone surrogate,
-    nesting at most 64 levels) gets the JSON-RPC parse error (-32700), as over
-    ``/mcp``; one that is JSON but not a JSON-RPC message, or is longer than
-    ``max_bytes``, the invalid-request error (-32600). Each answer carries the
-    message's ``id`` where a lenient reading finds exactly one, so the peer's call
-    fails at once, and ``null`` otherwise, as JSON-RPC says. Blank lines are skipped,
-    and a byte-order mark is ignored, as before an HTTP body. An ``id`` that is not an
-    integer or a string is refused too (the SDK took such a request for a notification
-    and answered nothing).
+    parse or validate, so its peer waited for ever. Here each refusal is answered
+    with the message's ``id`` where one can be read, so the peer's call fails at
+    once, and ``null`` otherwise, as JSON-RPC says. A line longer than ``max_bytes``
+    is the invalid-request error (-32600). Blank lines are skipped, and a byte-order
+    mark is ignored, as before an HTTP body.
     """
 
     def __init__(self, fd: int, max_bytes: int) -> None:
@@ -774,23 +813,9 @@ class StrictStdin:
                 line = line.removeprefix(UTF8_BOM)  # ignored, as before a body; the SDK would not
                 if not line.strip():
                     continue
-                try:
-                    message = parse_json_object(line)
-                except InvalidRequest as error:
-                    if error.error == NOT_AN_OBJECT:  # JSON, but no JSON-RPC message
-                        await self._refuse(None, types.INVALID_REQUEST, _NOT_JSON_RPC)
-                    else:
-                        sentence = f"Parse error: {error.error}"
-                        await self._refuse(_lenient_id(line), types.PARSE_ERROR, sentence)
-                    continue
-                try:
-                    types.jsonrpc_message_adapter.validate_python(message, by_name=False)
-                    # An id that is not an integer or a string made the SDK take the
-                    # request for a notification, and answer nothing.
-                    if "id" in message and _id_of(message) is None:
-                        raise ValueError("an id must be an integer or a string")
-                except ValueError:  # pydantic's ValidationError; its text quotes the input
-                    await self._refuse(_id_of(message), types.INVALID_REQUEST, _NOT_JSON_RPC)
+                read = read_message(line)
+                if isinstance(read, Refusal):
+                    await self._refuse(read.id, read.code, read.message)
                     continue
                 yield line.decode("utf-8")
         finally:
