@@ -1102,8 +1102,15 @@ def test_stdio_refuses_what_the_api_refuses_and_answers_every_line(tmp_path: Pat
             # Not taken by the SDK for a notification, unanswered: an id is an int or a string.
             (b'{"jsonrpc":"2.0","id":9.5,"method":"ping"}', None, invalid, "JSON-RPC"),
             (b'{"jsonrpc":"2.0","id":null,"method":"ping"}', None, invalid, "JSON-RPC"),
+            # Too long to read whole: its id is read from its start, so the call fails at once.
             (
                 b'{"jsonrpc":"2.0","id":10,"method":"ping","pad":"' + b"a" * 70_000 + b'"}',
+                10,
+                invalid,
+                "larger than 65536 bytes",
+            ),
+            (
+                b'{"jsonrpc":"2.0","pad":"' + b"a" * 70_000 + b'","id":10,"method":"ping"}',
                 None,
                 invalid,
                 "larger than 65536 bytes",
@@ -1141,11 +1148,36 @@ def test_ctrl_c_ends_the_stdio_server_while_its_stdin_stays_open(tmp_path: Path)
         assert peer.process.wait(FLOW_TIMEOUT) in (0, 1, -signal.SIGINT)
 
 
+@pytest.mark.parametrize(
+    ("start", "request_id"),
+    [
+        (b'{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"x":"aaaa', 7),
+        (b'\xef\xbb\xbf { "id" : "call-1" , "method"', "call-1"),
+        (b'{"jsonrpc":"2.0","params":{"a":[1,2]},"id":3,"me', 3),
+        (b'{"jsonrpc":"2.0","id":12', None),  # cut off: 12, or 123...?
+        (b'{"jsonrpc":"2.0","params":{"x":"aaaa', None),  # the id, if any, comes later
+        (b'{"jsonrpc":"2.0","id":true,"method"', None),  # not an id JSON-RPC allows
+        (b'{"jsonrpc":"2.0","id":"\xff","method"', None),
+        (b'{"jsonrpc":"2.0"}', None),
+        (b'[{"id":1}]', None),
+        (b"garbage", None),
+        (b"", None),
+    ],
+)
+def test_the_id_of_a_line_too_long_is_read_from_its_start(
+    start: bytes, request_id: int | str | None
+) -> None:
+    """Only where every member before it, and the id itself, are whole in the start."""
+    from leasekeeper.mcp._server import _id_from_start
+
+    assert _id_from_start(start) == request_id
+
+
 def test_stdio_lines_are_split_and_bounded_as_sent() -> None:
     """``_FdLines`` (stdin for ``leasekeeper mcp``): lines split across reads, a line of
-    exactly the limit and one past it (dropped: None), a long line and a short one in
-    one write, and a last line without its newline."""
-    from leasekeeper.mcp._server import _FdLines
+    exactly the limit and one past it (dropped but for its start), a long line and a
+    short one in one write, and a last line without its newline."""
+    from leasekeeper.mcp._server import _FdLines, _TooLong
 
     read_end, write_end = os.pipe()
     try:
@@ -1155,9 +1187,9 @@ def test_stdio_lines_are_split_and_bounded_as_sent() -> None:
         assert lines.readline() == b'{"a":1}\n'
         os.write(write_end, b"x" * 10 + b"\n" + b"y" * 11 + b"\n")
         assert lines.readline() == b"x" * 10 + b"\n"
-        assert lines.readline() is None
-        os.write(write_end, b"z" * 1_000 + b"\nshort\n")
-        assert lines.readline() is None
+        assert lines.readline() == _TooLong(b"y" * 11 + b"\n")
+        os.write(write_end, b"z" * 10_000 + b"\nshort\n")
+        assert lines.readline() == _TooLong(b"z" * 4096)
         assert lines.readline() == b"short\n"
         os.write(write_end, b"last")
         os.close(write_end)

@@ -45,6 +45,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -770,10 +771,10 @@ class StrictStdin:
         # Lines come from a daemon thread of their own: one blocked reading stdin must
         # not keep the process from exiting (on Ctrl-C, say), as a worker thread of
         # anyio's, which the interpreter waits for at exit, did.
-        lines: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=8)
+        lines: asyncio.Queue[bytes | _TooLong] = asyncio.Queue(maxsize=8)
         loop = asyncio.get_running_loop()
 
-        def deliver(line: bytes | None) -> bool:
+        def deliver(line: bytes | _TooLong) -> bool:
             """Hand ``line`` to the loop, waiting while the queue is full; False once
             the loop is closed or closing (nobody reads any more)."""
             put = lines.put(line)
@@ -787,7 +788,7 @@ class StrictStdin:
             return True
 
         def pump() -> None:
-            line: bytes | None = None
+            line: bytes | _TooLong = _TooLong(b"")
             try:
                 while line != b"":
                     try:
@@ -806,9 +807,9 @@ class StrictStdin:
                 line = await lines.get()
                 if line == b"":
                     return
-                if line is None:
-                    sentence = f"the message is larger than {self._max_bytes} bytes"
-                    await self._refuse(None, types.INVALID_REQUEST, f"Invalid request: {sentence}")
+                if isinstance(line, _TooLong):
+                    too_big = f"Invalid request: the message is larger than {self._max_bytes} bytes"
+                    await self._refuse(_id_from_start(line.start), types.INVALID_REQUEST, too_big)
                     continue
                 line = line.removeprefix(UTF8_BOM)  # ignored, as before a body; the SDK would not
                 if not line.strip():
@@ -829,6 +830,17 @@ class StrictStdin:
         await self._answers.send(SessionMessage(reply))
 
 
+#: How much of a line too long to read whole is kept, to find its ``id`` in.
+_KEPT_START: Final = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class _TooLong:
+    """A line longer than the limit: only its first ``_KEPT_START`` bytes."""
+
+    start: bytes
+
+
 class _FdLines:
     """Lines from a file descriptor, read with ``os.read``: no buffered file object,
     whose lock a daemon thread blocked in a read would hold when the interpreter
@@ -839,27 +851,31 @@ class _FdLines:
         self._max_bytes = max_bytes
         self._buffer = bytearray()
 
-    def readline(self) -> bytes | None:
-        """The next line (``b""`` at the end), or None for a line longer than
-        ``max_bytes`` without its newline, which is read to its end and dropped."""
-        too_long = False
+    def readline(self) -> bytes | _TooLong:
+        """The next line (``b""`` at the end), or ``_TooLong`` for a line longer than
+        ``max_bytes`` without its newline, which is read to its end and dropped but for
+        its start."""
+        too_long: _TooLong | None = None
         searched = 0  # the buffer before this holds no newline: each byte is looked at once
         while True:
             end = self._buffer.find(b"\n", searched)
             if end >= 0:
                 line = bytes(self._buffer[: end + 1])
                 del self._buffer[: end + 1]
-                return None if too_long or len(line) > self._max_bytes + 1 else line
+                if too_long is None and len(line) > self._max_bytes + 1:
+                    too_long = _TooLong(line[:_KEPT_START])
+                return line if too_long is None else too_long
             searched = len(self._buffer)
             if len(self._buffer) > self._max_bytes:
-                too_long = True
+                if too_long is None:
+                    too_long = _TooLong(bytes(self._buffer[:_KEPT_START]))
                 self._buffer.clear()
                 searched = 0
             chunk = os.read(self._fd, 65_536)
             if not chunk:  # the end: what is left is the last line, without its newline
                 line = bytes(self._buffer)
                 self._buffer.clear()
-                return None if too_long else line
+                return line if too_long is None else too_long
             self._buffer += chunk
 
 
@@ -888,6 +904,44 @@ def _lenient_id(line: bytes) -> int | str | None:
     if len(ids) != 1 or (type(ids[0]) is str and "\ufffd" in ids[0]):
         return None
     return _id_of({"id": ids[0]})
+
+
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _id_from_start(start: bytes) -> int | str | None:
+    """The ``id`` of a message known only by its start (a line too long to read whole),
+    where the members of its top-level object before the ``id`` are whole in ``start``
+    and the ``id``'s value is followed by a ``,`` or ``}`` there (else None). Clients
+    write the ``id`` near the front (``{"jsonrpc":"2.0","id":7,"method":...``)."""
+    text = start.removeprefix(UTF8_BOM).decode("utf-8", "replace")
+    decoder = json.JSONDecoder()
+
+    def after_space(at: int) -> int:
+        found = _JSON_SPACE.match(text, at)
+        return found.end() if found else at
+
+    at = after_space(0)
+    if text[at : at + 1] != "{":
+        return None
+    try:
+        while True:
+            name, at = decoder.raw_decode(text, after_space(at + 1))
+            at = after_space(at)
+            if not isinstance(name, str) or text[at : at + 1] != ":":
+                return None
+            value, at = decoder.raw_decode(text, after_space(at + 1))
+            at = after_space(at)
+            if text[at : at + 1] not in (",", "}"):  # cut off, or not JSON
+                return None
+            if name == "id":
+                if type(value) is str and "\ufffd" in value:
+                    return None
+                return _id_of({"id": value})
+            if text[at] == "}":
+                return None
+    except ValueError:  # a member cut off, or not JSON
+        return None
 
 
 async def _cleanup_every(service: LeaseService, seconds: float) -> None:
