@@ -1006,6 +1006,12 @@ async def test_stdio_against_leasekeeper_mcp(tmp_path: Path) -> None:
     assert_no_secrets(text, secrets)
 
 
+_INITIALIZE_LINE = (
+    b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":'
+    b'"2025-06-18","capabilities":{},"clientInfo":{"name":"t","version":"1"}}}'
+)
+
+
 class _StdioPeer:
     """``leasekeeper mcp`` driven line by line, raw bytes in and JSON lines out."""
 
@@ -1074,10 +1080,7 @@ def test_stdio_refuses_what_the_api_refuses_and_answers_every_line(tmp_path: Pat
         (tmp_path / "stdio.log").open("w") as errlog,
         _StdioPeer(tmp_path / "s.db", errlog) as peer,
     ):
-        hello = peer.answer(
-            b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":'
-            b'"2025-06-18","capabilities":{},"clientInfo":{"name":"t","version":"1"}}}'
-        )
+        hello = peer.answer(_INITIALIZE_LINE)
         assert "result" in hello
         peer.send(b'{"jsonrpc":"2.0","method":"notifications/initialized"}')
         minted = peer.answer(peer.call(2, "create_lease_namespace", b"{}"))
@@ -1133,6 +1136,35 @@ def test_stdio_refuses_what_the_api_refuses_and_answers_every_line(tmp_path: Pat
             assert granted["result"]["structuredContent"]["status"] == "held"
             assert granted["result"]["structuredContent"]["fencing_token"] == request_id - 11
         assert peer.close() == 0
+
+
+@pytest.mark.slow
+def test_requests_before_the_end_of_stdin_are_answered_with_their_outcome(
+    tmp_path: Path,
+) -> None:
+    """``echo ... | leasekeeper mcp``: calls sent just before stdin closes are answered
+    with what they did. The SDK alone cancelled them at the end of its input and
+    answered "Connection closed", while the acquires it had started were granted:
+    held leases whose owner tokens nobody received."""
+    calls = 20
+    with (
+        (tmp_path / "stdio.log").open("w") as errlog,
+        _StdioPeer(tmp_path / "eof.db", errlog) as peer,
+    ):
+        assert "result" in peer.answer(_INITIALIZE_LINE)
+        peer.send(b'{"jsonrpc":"2.0","method":"notifications/initialized"}')
+        namespace = peer.answer(peer.call(2, "create_lease_namespace", b"{}"))
+        ns = namespace["result"]["structuredContent"]["namespace"].encode()
+        for request_id in range(10, 10 + calls):
+            arguments = b'{"namespace":"%s","key":"job-%d"}' % (ns, request_id)
+            peer.send(peer.call(request_id, "acquire_lease", arguments))
+        assert peer.process.stdin is not None and peer.process.stdout is not None
+        peer.process.stdin.close()
+        assert peer.process.wait(FLOW_TIMEOUT) == 0
+        answers = [json.loads(line) for line in peer.process.stdout.read().splitlines()]
+    assert sorted(answer["id"] for answer in answers) == list(range(10, 10 + calls))
+    for answer in answers:
+        assert answer["result"]["structuredContent"]["status"] == "held", answer
 
 
 @pytest.mark.slow

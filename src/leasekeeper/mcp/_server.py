@@ -731,8 +731,8 @@ async def serve_stdio(
             # stdin is duck-typed: the SDK only iterates it, line by line, as text.
             lines = cast("anyio.AsyncFile[str]", stdin)
             async with stdio_server(stdin=lines) as (read_stream, write_stream):
-                stdin.answer_through(write_stream)
-                await server.run(read_stream, write_stream, server.create_initialization_options())
+                answers = stdin.answer_through(write_stream)
+                await server.run(read_stream, answers, server.create_initialization_options())
             tasks.cancel_scope.cancel()
     finally:
         await service.stop()
@@ -758,11 +758,29 @@ class StrictStdin:
         self._max_bytes = max_bytes
         self._answers: Any = None
         self._ready = anyio.Event()
+        self._unanswered: set[int | str] = set()  # requests handed on, not yet answered
+        self._answered = anyio.Event()
 
-    def answer_through(self, write_stream: Any) -> None:
-        """Send refusals where the server sends its messages (the SDK's write stream)."""
+    def answer_through(self, write_stream: Any) -> _Watched:
+        """Send refusals where the server sends its messages (the SDK's write stream),
+        and the stream for the server to send through, which tells each answer here."""
         self._answers = write_stream.clone()
         self._ready.set()
+        return _Watched(write_stream, self._settled)
+
+    def _settled(self, request_id: object) -> None:
+        if request_id in self._unanswered:
+            self._unanswered.discard(request_id)
+            self._answered.set()
+
+    async def _drain(self) -> None:
+        """Wait, up to ``_DRAIN_SECONDS``, until every request handed on is answered:
+        when stdin ends, the SDK cancels the calls still running, and a call the store
+        has already decided (a lease granted) would be answered "Connection closed"."""
+        with anyio.move_on_after(_DRAIN_SECONDS):
+            while self._unanswered:
+                await self._answered.wait()
+                self._answered = anyio.Event()
 
     def __aiter__(self) -> AsyncIterator[str]:
         return self._lines()
@@ -806,6 +824,7 @@ class StrictStdin:
             while True:
                 line = await lines.get()
                 if line == b"":
+                    await self._drain()
                     return
                 if isinstance(line, _TooLong):
                     too_big = f"Invalid request: the message is larger than {self._max_bytes} bytes"
@@ -818,16 +837,55 @@ class StrictStdin:
                 if isinstance(read, Refusal):
                     await self._refuse(read.id, read.code, read.message)
                     continue
+                self._note(read)
                 yield line.decode("utf-8")
         finally:
             if self._answers is not None:
                 self._answers.close()
+
+    def _note(self, message: Mapping[str, Any]) -> None:
+        """Count a request handed on as unanswered; a cancelled one is never answered."""
+        request_id = _id_of(message)
+        if "method" in message and request_id is not None:
+            self._unanswered.add(request_id)
+        if message.get("method") == "notifications/cancelled":
+            params = message.get("params")
+            if isinstance(params, dict):
+                self._settled(params.get("requestId"))
 
     async def _refuse(self, request_id: int | str | None, code: int, message: str) -> None:
         await self._ready.wait()
         error = types.ErrorData(code=code, message=message)
         reply = types.JSONRPCError(jsonrpc="2.0", id=request_id, error=error)
         await self._answers.send(SessionMessage(reply))
+
+
+#: The longest ``leasekeeper mcp`` waits, at the end of stdin, for answers still due.
+_DRAIN_SECONDS: Final = 30.0
+
+
+class _Watched:
+    """The SDK's write stream for the server's messages, telling ``settled`` the id of
+    each answer (a result or an error) once it is sent."""
+
+    def __init__(self, stream: Any, settled: Callable[[object], None]) -> None:
+        self._stream = stream
+        self._settled = settled
+
+    async def send(self, item: SessionMessage, /) -> None:
+        await self._stream.send(item)
+        if isinstance(item.message, types.JSONRPCResponse | types.JSONRPCError):
+            self._settled(item.message.id)
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    async def __aenter__(self) -> _Watched:
+        await self._stream.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        return cast("bool | None", await self._stream.__aexit__(*exc_info))
 
 
 #: How much of a line too long to read whole is kept, to find its ``id`` in.
