@@ -180,7 +180,10 @@ def _say_output_lost(lost: _OutputLost) -> None:
     flush at exit does not fail a second time ("Exception ignored ... BrokenPipeError")."""
     with contextlib.suppress(OSError, ValueError):
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        try:
+            os.dup2(devnull, sys.stdout.fileno())
+        finally:
+            os.close(devnull)
     with contextlib.suppress(OSError):
         click.echo(f"leasekeeper: {lost}", err=True)
 
