@@ -49,6 +49,9 @@ def test_variables_are_read_and_flags_win() -> None:
         ("LEASEKEEPER_PORT", "70000"),
         ("LEASEKEEPER_LIFECYCLE_SECONDS", "1.5"),
         ("LEASEKEEPER_LIFECYCLE_SECONDS", "0"),
+        ("LEASEKEEPER_LIFECYCLE_SECONDS", "9300000000000000"),  # every acquire was a 500
+        ("LEASEKEEPER_LIFECYCLE_SECONDS", "315360001"),
+        ("LEASEKEEPER_STORE_TIMEOUT_SECONDS", "32768"),  # no PostgreSQL connection opened
         ("LEASEKEEPER_NAMESPACE_RATE", "-1"),
         ("LEASEKEEPER_NAMESPACE_RATE", "nan"),  # passed every comparison: no limit at all
         ("LEASEKEEPER_REQUEST_TIMEOUT_SECONDS", "inf"),
@@ -64,6 +67,14 @@ def test_bad_values_name_the_variable(name: str, value: str) -> None:
     """A value leasekeeper cannot use is refused at start, naming the variable."""
     with pytest.raises(SettingsError, match=name):
         Settings.from_env({name: value})
+
+
+def test_the_largest_lifecycle_and_store_timeout_are_accepted() -> None:
+    """10 years and 32767 s: the bounds themselves still start."""
+    settings = Settings.from_env(
+        {"LEASEKEEPER_LIFECYCLE_SECONDS": "315360000", "LEASEKEEPER_STORE_TIMEOUT_SECONDS": "32767"}
+    )
+    assert (settings.lifecycle_seconds, settings.store_timeout_seconds) == (315_360_000, 32_767)
 
 
 def test_store_by_url_scheme(tmp_path: object) -> None:

@@ -45,6 +45,12 @@ _PREFIX = "LEASEKEEPER_"
 T = TypeVar("T")
 
 
+#: The longest lifecycle: 10 years, so that every expiry stays a four-digit-year time.
+MAX_LIFECYCLE_SECONDS = 315_360_000
+#: The longest store timeout: Linux's largest TCP keepalive idle time, which it sets.
+MAX_STORE_TIMEOUT_SECONDS = 32_767
+
+
 class SettingsError(ValueError):
     """An environment variable has a value leasekeeper cannot use."""
 
@@ -117,6 +123,18 @@ class Settings:
         for name, rate in rates.items():
             if rate < 0:
                 raise SettingsError(f"{name} must be 0 (off) or a positive number")
+        # Past these a valid-looking value broke the server: a lifecycle of 10**16 s made
+        # every acquire a 500 (no SQLite integer holds its end) and one of 10**11 s wrote
+        # five-digit years; a store timeout over 32767 s is refused by Linux as the
+        # connections' TCP keepalive idle time, so no PostgreSQL connection ever opened.
+        if self.lifecycle_seconds > MAX_LIFECYCLE_SECONDS:
+            raise SettingsError(
+                f"LEASEKEEPER_LIFECYCLE_SECONDS must be at most {MAX_LIFECYCLE_SECONDS} (10 years)"
+            )
+        if self.store_timeout_seconds > MAX_STORE_TIMEOUT_SECONDS:
+            raise SettingsError(
+                f"LEASEKEEPER_STORE_TIMEOUT_SECONDS must be at most {MAX_STORE_TIMEOUT_SECONDS}"
+            )
         if not 0 < self.port < 65536:
             raise SettingsError("LEASEKEEPER_PORT must be a TCP port from 1 to 65535")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
