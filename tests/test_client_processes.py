@@ -171,13 +171,16 @@ def until(condition: Any, within: float = 10.0) -> None:
 def test_ctrl_z_stops_the_command_with_run(server: str, tmp_path: Path) -> None:
     """SIGTSTP to ``run`` stops the command too, so that no command works on while its
     renewals are stopped; SIGCONT continues it while the lease is held, and once the
-    lease expired meanwhile the command gets SIGTERM instead and run exits 11."""
+    lease expired meanwhile the command gets SIGTERM instead and run exits 11.
+
+    That SIGTERM is the only one: a command that takes its time to stop (this one never
+    does) gets SIGKILL --grace seconds after it, not a second SIGTERM from the loss."""
     env = cli_env(server, LEASEKEEPER_NAMESPACE=mint(server))
     ticks = tmp_path / "ticks"
     run = subprocess.Popen(
-        [LEASEKEEPER, "run", "--key", "paused", "--ttl", "2", "--grace", "5", "--",
-         "sh", "-c", f"trap 'echo term >> {ticks}; exit 0' TERM; "
-                     f"while :; do echo tick >> {ticks}; sleep 0.05; done"],
+        [LEASEKEEPER, "run", "--key", "paused", "--ttl", "2", "--grace", "1", "--",
+         "sh", "-c", f"trap 'echo term >> {ticks}; stopping=1' TERM; "
+                     f"while :; do [ -z \"$stopping\" ] && echo tick >> {ticks}; sleep 0.05; done"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
@@ -201,9 +204,49 @@ def test_ctrl_z_stops_the_command_with_run(server: str, tmp_path: Path) -> None:
         if run.poll() is None:
             run.kill()
     assert run.returncode == 11, err
-    assert orjson.loads(err.splitlines()[-1])["status"] == "lost"
-    # SIGTERM reached the command before it ran again: no tick after it was stopped.
+    report = orjson.loads(err.splitlines()[-1])
+    assert report["status"] == "lost"
+    assert report["command"] == "killed with SIGKILL after the grace period"
+    # SIGTERM reached the command before it ran again: no tick after it was stopped,
+    # and no second SIGTERM.
     assert ticks.read_text().splitlines()[stopped_at:] == ["term"]
+
+
+def test_a_command_stopping_after_the_loss_gets_no_second_sigterm(
+    server: str, tmp_path: Path
+) -> None:
+    """Once the loss has sent SIGTERM, a Ctrl-Z and fg of run during the grace period
+    send no second one (many programs take a second SIGTERM as "skip the clean-up"):
+    the command gets SIGKILL --grace seconds after the first."""
+    env = cli_env(server, LEASEKEEPER_NAMESPACE=mint(server))
+    ticks = tmp_path / "ticks"
+    run = subprocess.Popen(
+        [LEASEKEEPER, "run", "--key", "once", "--ttl", "2", "--grace", "4", "--",
+         "sh", "-c", f"trap 'echo term >> {ticks}' TERM; echo ready >> {ticks}; "
+                     "while :; do sleep 0.05; done"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        until(ticks.exists)
+        (command,) = (int(pid) for pid in Path(f"/proc/{run.pid}/task/{run.pid}/children")
+                      .read_text().split())  # fmt: skip
+        os.kill(run.pid, signal.SIGSTOP)  # run alone: its renewals stop, the command works on
+        until(lambda: process_state(run.pid) == "T")
+        time.sleep(2.5)  # real processes: the 2 s lease expires
+        os.kill(run.pid, signal.SIGCONT)  # run finds the lease lost: SIGTERM, grace begins
+        until(lambda: "term" in ticks.read_text())
+        os.kill(run.pid, signal.SIGTSTP)
+        until(lambda: process_state(run.pid) == "T" and process_state(command) == "T")
+        os.kill(run.pid, signal.SIGCONT)
+        _, err = run.communicate(timeout=30)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 11, err
+    assert orjson.loads(err.splitlines()[-1])["command"] == (
+        "killed with SIGKILL after the grace period"
+    )
+    assert ticks.read_text().splitlines() == ["ready", "term"]
 
 
 def readme_blocks(section: str, language: str) -> list[str]:

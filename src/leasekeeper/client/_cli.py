@@ -572,6 +572,7 @@ def _forward_signals(
     received: list[int],
     unsent: list[int],
     still_held: Callable[[], bool],
+    terminated: list[float],
 ) -> Iterator[None]:
     """Pass SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 on to the command's
     process group while it runs, and stop the command with ``run`` (SIGTSTP, Ctrl-Z).
@@ -584,7 +585,8 @@ def _forward_signals(
     of its own, so a Ctrl-Z would stop ``run`` (and its renewals) but not the
     command, which went on working past the lease. Now the command is stopped
     first; when ``run`` is continued, the command continues only if
-    ``still_held()``, and otherwise gets SIGTERM before it runs again.
+    ``still_held()``, and otherwise gets SIGTERM before it runs again (recorded in
+    ``terminated``, so that ``_stop`` does not send a second one).
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -611,7 +613,7 @@ def _forward_signals(
         signal.signal(signal.SIGTSTP, pause)
         if started:
             if not still_held():  # expired meanwhile: the loss is handled by the main loop
-                _signal_group(started[0], signal.SIGTERM)
+                _terminate(started[0], terminated)
             _signal_group(started[0], signal.SIGCONT)
 
     previous = {
@@ -627,13 +629,24 @@ def _forward_signals(
             signal.signal(signum, handler)
 
 
-def _stop(process: subprocess.Popen[bytes], grace: float) -> str:
-    """SIGTERM the command's whole group, then SIGKILL after ``grace`` seconds to what
-    is left of it (the leader, or processes it started); how it ended."""
-    deadline = time.monotonic() + grace
-    _signal_group(process, signal.SIGTERM)
+def _terminate(process: subprocess.Popen[bytes], terminated: list[float]) -> None:
+    """SIGTERM the command's whole group once: ``terminated`` keeps when it was sent.
+
+    A second SIGTERM would reach a command still handling the first, and many programs
+    take a second one as "stop now, skip the clean-up"."""
+    if not terminated:
+        terminated.append(time.monotonic())
+        _signal_group(process, signal.SIGTERM)
+
+
+def _stop(process: subprocess.Popen[bytes], grace: float, terminated: list[float]) -> str:
+    """SIGTERM the command's whole group (unless it already got it), then SIGKILL
+    ``grace`` seconds after that SIGTERM to what is left of it (the leader, or
+    processes it started); how it ended."""
+    _terminate(process, terminated)
+    deadline = terminated[0] + grace
     try:
-        process.wait(grace)
+        process.wait(max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         pass
     else:
@@ -746,6 +759,7 @@ def _run_held(
     received: list[int] = []
     unsent: list[int] = []
     started: list[subprocess.Popen[bytes]] = []
+    terminated: list[float] = []  # when the command's group got its SIGTERM
 
     def still_held() -> bool:
         try:
@@ -754,7 +768,7 @@ def _run_held(
             return False
         return True
 
-    with _forward_signals(started, received, unsent, still_held):
+    with _forward_signals(started, received, unsent, still_held, terminated):
         progress.say(f"lease acquired (fencing token {fence}); running the command")
         if received:  # interrupted before the command started: it is not started
             return 128 + received[0]
@@ -775,7 +789,7 @@ def _run_held(
         threading.Thread(target=watch, name="leasekeeper-run-watch", daemon=True).start()
         wake.wait()
         if held.lost.is_set() and process.poll() is None:
-            how = _stop(process, options["grace"])
+            how = _stop(process, options["grace"], terminated)
             lost = held.lost_error.error if held.lost_error else "the lease was lost"
             _report({"ok": False, "status": "lost", "error": lost, "command": how})
             return EXIT_LOST
@@ -786,7 +800,7 @@ def _run_held(
                 "(SIGKILL after %s s) before the lease ends",
                 options["grace"],
             )
-            _stop(process, options["grace"])
+            _stop(process, options["grace"], terminated)
     status = _shell_status(process.returncode)
     if held.lost.is_set():
         lost = held.lost_error.error if held.lost_error else "the lease was lost"
