@@ -549,6 +549,11 @@ def test_mcp_route_keeps_the_api_guarantees(app_with_mcp: TestClient) -> None:
     slash = app_with_mcp.post("/mcp/", json=_INITIALIZE, headers=_MCP_HEADERS)
     assert slash.status_code == 200 and not slash.history
     assert slash.json()["result"]["serverInfo"]["name"] == "leasekeeper"
+    # In the metrics, /mcp is a route of its own, not "other".
+    metrics = app_with_mcp.get("/metrics").text
+    assert 'leasekeeper_requests_total{route="mcp",status="200"} 2.0' in metrics
+    assert 'leasekeeper_requests_total{route="mcp",status="405"} 2.0' in metrics
+    assert 'route="other"' not in metrics
 
 
 @pytest.mark.parametrize("era", ERAS)

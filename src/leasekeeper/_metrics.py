@@ -208,7 +208,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = LoopCounter(
             "leasekeeper_requests",
-            "HTTP requests by route and response status word",
+            "HTTP requests by route and HTTP status code",
             ["route", "status"],
             self.registry,
         )

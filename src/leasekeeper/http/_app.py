@@ -14,7 +14,7 @@ import logging
 import random
 import time
 import types
-from collections.abc import AsyncIterator, Callable, Generator
+from collections.abc import AsyncIterator, Callable, Generator, Mapping
 from typing import Any
 
 import orjson
@@ -204,7 +204,11 @@ def create_app(
     app.state.metrics = metrics
     app.state.service = service
     direct = {path: endpoints[operation] for path, operation in _ROUTES.items()}
-    return LeaseApp(app, metrics, settings.max_connections, direct)
+    names = {
+        **_ROUTE_NAMES,
+        **{route.path: route.name for route in extra_routes or [] if isinstance(route, Route)},
+    }
+    return LeaseApp(app, metrics, settings.max_connections, direct, names)
 
 
 #: Lease route path -> operation (a key of ``LeaseService``'s ``OPERATIONS``).
@@ -217,8 +221,9 @@ _ROUTES = {
     f"{BASE_PATH}/lease/complete": "complete",
 }
 
-#: Route names for metrics and logs: a fixed set, so an unknown path (which a client
-#: could fill with a secret) is only ever "other".
+#: Route names for metrics and logs: a fixed set (with the names of the routes other
+#: adapters mount, such as "mcp"), so an unknown path (which a client could fill with
+#: a secret) is only ever "other".
 _ROUTE_NAMES = {
     **_ROUTES,
     "/healthz": "healthz",
@@ -486,6 +491,7 @@ class LeaseApp:
         metrics: Metrics,
         max_in_flight: int,
         lease_routes: dict[str, LeaseEndpoint] | None = None,
+        route_names: Mapping[str, str] | None = None,
     ) -> None:
         self.app = app
         self.state = app.state
@@ -494,6 +500,7 @@ class LeaseApp:
         self.max_in_flight = max_in_flight
         self.in_flight = 0
         self.lease_routes = lease_routes or {}
+        self.route_names = route_names or _ROUTE_NAMES
         metrics.in_flight.set_function(lambda: self.in_flight)
         self._busy = error_parts(
             ServiceUnavailable("The server is at its connection limit; retry shortly")
@@ -514,7 +521,7 @@ class LeaseApp:
             # with no redirect that a client might not follow.
             path = path.rstrip("/") or "/"
             scope = {**scope, "path": path}
-        route = _ROUTE_NAMES.get(path, "other")
+        route = self.route_names.get(path, "other")
         try:
             if self.in_flight >= self.max_in_flight:
                 status, body, extra = self._busy

@@ -544,7 +544,7 @@ def streamable_http_mount(
         StreamableHTTPASGIApp(manager), settings.max_body_bytes, settings.request_timeout_seconds
     )
     return StreamableHttpMount(
-        routes=[Route(path, app, methods=["POST"])],
+        routes=[Route(path, app, methods=["POST"], name="mcp")],  # "mcp" in metrics
         lifespan_hooks=[manager.run],
     )
 
