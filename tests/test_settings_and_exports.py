@@ -42,6 +42,12 @@ def test_variables_are_read_and_flags_win() -> None:
     assert settings.postgres_pool_size == 2
 
 
+def test_an_empty_variable_gives_the_default() -> None:
+    """``LEASEKEEPER_PORT=`` (set, empty) is the same as unset, as the README says."""
+    names = ["LEASEKEEPER_STORE", "LEASEKEEPER_PORT", "LEASEKEEPER_LIFECYCLE_SECONDS"]
+    assert Settings.from_env(dict.fromkeys(names, "")) == Settings.from_env({})
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [
