@@ -25,7 +25,7 @@ from leasekeeper._core import secrets as lk_secrets
 from leasekeeper.cli import main
 from leasekeeper.http import create_app
 from leasekeeper.store import SqliteStore
-from tests._server import running_server, start_server
+from tests._server import free_port, running_server, start_server
 from tests._stores import STORES, store_target
 
 pytestmark = pytest.mark.slow
@@ -645,3 +645,42 @@ def test_sqlite_writer_survives_a_failing_batch(tmp_path: Path) -> None:
         await service.stop()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [(["serve", "--port", str(free_port())], 3), (["mcp"], 1)],
+    ids=["serve", "mcp"],
+)
+@pytest.mark.parametrize(
+    ("store", "why"),
+    [
+        ("sqlite:///{tmp}/no/such/directory/leases.db", "Cannot open the SQLite store at {tmp}"),
+        ("postgresql://postgres@127.0.0.1:9/leasekeeper", "Connection refused"),  # none listens
+    ],
+    ids=["sqlite", "postgresql"],
+)
+def test_a_store_that_cannot_be_opened_is_said_in_one_line(
+    tmp_path: Path, argv: list[str], code: int, store: str, why: str
+) -> None:
+    """``serve`` (exit 3) and ``mcp`` (exit 1) with a store they cannot open log one
+    ERROR line that says why, with no traceback after it."""
+    env = {
+        **os.environ,
+        "LEASEKEEPER_STORE": store.format(tmp=tmp_path),
+        "LEASEKEEPER_STORE_TIMEOUT_SECONDS": "1",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "leasekeeper.cli", *argv],
+        env=env, input=b"", capture_output=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == code, done.stderr
+    assert b"Traceback" not in done.stderr
+    errors = [
+        record["message"]
+        for record in map(json.loads, done.stderr.decode().splitlines())
+        if record["level"] == "ERROR"
+        and record["message"] != "Application startup failed. Exiting."
+    ]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("Cannot open the ") and why.format(tmp=tmp_path) in errors[0]

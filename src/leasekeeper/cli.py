@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from leasekeeper._errors import LeaseError
 from leasekeeper._logging import configure_logging
 from leasekeeper._service import LeaseService
 from leasekeeper._settings import Settings, SettingsError
@@ -233,6 +234,9 @@ def mcp_command(store: str | None) -> None:
         )
     except KeyboardInterrupt:
         pass
+    except LeaseError as error:  # a store that cannot be opened: said in one line
+        log.error("%s", error.error)
+        sys.exit(1)
     except Exception:
         log.exception("MCP stdio server failed")
         sys.exit(1)

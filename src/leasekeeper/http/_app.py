@@ -175,7 +175,12 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await service.start()
+        try:
+            await service.start()
+        except LeaseError as error:  # a store that cannot be opened: said in one line
+            log.error("%s", error.error)
+            app.state.start_refused = True  # LeaseApp keeps uvicorn from adding a traceback
+            raise
         tasks = []
         if run_cleanup:
             tasks.append(asyncio.create_task(cleanup_loop()))
@@ -510,6 +515,8 @@ class LeaseApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
+            if scope["type"] == "lifespan":
+                send = self._lifespan_send(send)
             await self.app(scope, receive, send)
             return
         request_id = f"{random.getrandbits(64):016x}"  # unique enough; not a secret
@@ -548,6 +555,20 @@ class LeaseApp:
                     )
         finally:
             REQUEST_ID.reset(reset)
+
+    def _lifespan_send(self, send: Send) -> Send:
+        """``send`` for the lifespan: a start refused because the store cannot be opened
+        (logged in one line) is reported to the server without Starlette's traceback,
+        which uvicorn would log as a second ERROR; any other failure keeps it."""
+
+        async def lifespan_send(message: Message) -> None:
+            if message["type"] == "lifespan.startup.failed" and getattr(
+                self.state, "start_refused", False
+            ):
+                message = {**message, "message": ""}
+            await send(message)
+
+        return lifespan_send
 
     def _count(self, route: str, status: int) -> None:
         self._counted[route, status]()  # prometheus_client makes the status a string

@@ -351,11 +351,9 @@ class PostgresStore:
                     ) from exc
                 if isinstance(exc, PoolTimeout):  # the pool says only that it gave up
                     reason = await self._why_no_connection() or _describe(exc)
-                    log.error("cannot open the PostgreSQL store: %s", reason)
                     raise ServiceUnavailable(f"Cannot open the PostgreSQL store: {reason}") from exc
                 if isinstance(exc, psycopg.Error | TimeoutError):
                     reason = _describe(exc) if isinstance(exc, psycopg.Error) else "timed out"
-                    log.error("cannot open the PostgreSQL store: %s", reason)
                     raise ServiceUnavailable(f"Cannot open the PostgreSQL store: {reason}") from exc
                 raise
             self._pool = pool

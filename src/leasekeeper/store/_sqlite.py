@@ -514,8 +514,7 @@ class SqliteStore:
         try:
             conn = self._connect()
         except (sqlite3.Error, OSError, RuntimeError) as exc:
-            log.error("cannot open the SQLite store at %s: %s", self.path, exc)
-            error = ServiceUnavailable(f"Cannot open the SQLite store: {exc}")
+            error = ServiceUnavailable(f"Cannot open the SQLite store at {self.path}: {exc}")
             loop.call_soon_threadsafe(settle, ready, error)
             return
         checkpointer = _Checkpointer(self.path, self._timeout)
