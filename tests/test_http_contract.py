@@ -688,9 +688,10 @@ class TestTransport:
         assert api.client.get("/healthz").status_code == 200
 
     def test_unexpected_errors_are_500_without_details(
-        self, make_api: ApiFactory, make_store: Any
+        self, make_api: ApiFactory, make_store: Any, caplog: pytest.LogCaptureFixture
     ) -> None:
-        """A fault inside the service is 500 internal with no details."""
+        """A fault inside the service is 500 internal with no details; the log names
+        the route, not the path the client sent."""
 
         class Broken:
             def __init__(self) -> None:
@@ -698,7 +699,9 @@ class TestTransport:
 
             async def open(self) -> None: ...
             async def close(self) -> None: ...
-            async def ping(self) -> None: ...
+            async def ping(self) -> None:
+                raise RuntimeError("boom in ping")
+
             async def purge(self, limit: int, after: bytes | None = None) -> Any:
                 return None
 
@@ -710,6 +713,12 @@ class TestTransport:
         body = error(response, 500, "internal")
         assert body == {"ok": False, "status": "internal", "error": "Internal error"}
         assert "boom" not in response.text and "Traceback" not in response.text
+        caplog.clear()
+        with caplog.at_level("ERROR"):
+            ready = api.client.get("/readyz/")
+        assert error(ready, 500, "internal") == body
+        (logged,) = [r for r in caplog.records if r.name == "leasekeeper.http"]
+        assert logged.getMessage() == "unhandled error on GET readyz"
 
     def test_openapi_describes_every_route_and_body(self, api: Api) -> None:
         """/openapi.json lists each route with its request body schema."""

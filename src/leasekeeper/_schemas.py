@@ -49,6 +49,10 @@ TTL = Annotated[int, Field(ge=1, le=MAX_TTL_SECONDS, description="Lease length i
 
 
 class _Body(BaseModel):
+    """A request body. Every field that carries a secret (namespace, owner token) or the
+    caller's data (key, fingerprint, result) has ``repr=False``: a body's repr, in a
+    log line or a traceback, shows none of them."""
+
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
@@ -59,9 +63,11 @@ class NamespaceBody(_Body):
 class _KeyBody(_Body):
     namespace: str | None = Field(
         default=None,
+        repr=False,
         description="A namespace from POST /lease/namespace. A bearer secret: keep it private.",
     )
     key: str = Field(
+        repr=False,
         description="With a namespace: 1-200 characters, no control characters. Without: "
         "32-200 printable ASCII characters with at least 100 bits of entropy (a uuid4).",
     )
@@ -102,6 +108,7 @@ class AcquireBody(_KeyBody):
     ttl_seconds: TTL | None = Field(default=None, description="Default 60.")
     fingerprint: Annotated[str, Field(min_length=1, max_length=1024)] | None = Field(
         default=None,
+        repr=False,
         description="Binds the key to its input for the lifecycle; absent is a binding too.",
     )
 
@@ -109,23 +116,24 @@ class AcquireBody(_KeyBody):
 class RenewBody(_KeyBody):
     """Move the lease expiry of the live owner."""
 
-    owner_token: str = Field(description="The owner token returned by acquire.")
+    owner_token: str = Field(repr=False, description="The owner token returned by acquire.")
     ttl_seconds: TTL | None = Field(default=None, description="Default 60.")
 
 
 class ReleaseBody(_KeyBody):
     """End the live owner's lease now."""
 
-    owner_token: str = Field(description="The owner token returned by acquire.")
+    owner_token: str = Field(repr=False, description="The owner token returned by acquire.")
 
 
 class CompleteBody(_KeyBody):
     """Store the result and end ownership for the lifecycle."""
 
-    owner_token: str = Field(description="The owner token returned by acquire.")
+    owner_token: str = Field(repr=False, description="The owner token returned by acquire.")
     result: Any = Field(
+        repr=False,
         description="Any JSON value, at most 32,768 bytes compact; fields named like "
-        "secrets are stored as [redacted]."
+        "secrets are stored as [redacted].",
     )
 
 

@@ -64,6 +64,11 @@ class Reply(msgspec.Struct, frozen=True):
     #: The stored result's JSON text when the body carries one (embedded as a Fragment).
     result_text: str | None = None
 
+    def __repr__(self) -> str:
+        # The body holds an owner token or a namespace: its status word is all a log
+        # line or a traceback gets.
+        return f"Reply(status={self.body.get('status')!r}, created={self.created!r})"
+
     def json_bytes(self) -> bytes:
         """The body as UTF-8 JSON; a stored result is embedded exactly as stored."""
         return orjson.dumps(self.body)

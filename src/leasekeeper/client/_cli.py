@@ -329,13 +329,15 @@ def _secret(
 
 @dataclass(frozen=True)
 class _Target:
-    """The namespace, key and (optionally) fingerprint of a command, and its client."""
+    """The namespace, key and (optionally) fingerprint of a command, and its client.
+
+    Its repr shows none of them, nor the environment (which may hold an owner token)."""
 
     client: LeaseClient
-    namespace: str | None
-    key: str
-    fingerprint: str | None
-    environ: Mapping[str, str]
+    namespace: str | None = field(repr=False)
+    key: str = field(repr=False)
+    fingerprint: str | None = field(repr=False)
+    environ: Mapping[str, str] = field(repr=False)
 
 
 def _target(options: Mapping[str, Any], *, with_fingerprint: bool = False) -> _Target:

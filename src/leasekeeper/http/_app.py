@@ -213,6 +213,7 @@ def create_app(
         **_ROUTE_NAMES,
         **{route.path: route.name for route in extra_routes or [] if isinstance(route, Route)},
     }
+    app.state.route_names = names
     return LeaseApp(app, metrics, settings.max_connections, direct, names)
 
 

@@ -101,5 +101,7 @@ async def unexpected_handler(request: Request, exc: Exception) -> Response:
     """Anything unforeseen: logged with its traceback, answered without details."""
     if isinstance(exc, LeaseError):
         return error_response(exc)
-    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    # The route's name, never the path, which a client could fill with a secret.
+    route = getattr(request.app.state, "route_names", {}).get(request.scope["path"], "other")
+    log.error("unhandled error on %s %s", request.method, route, exc_info=exc)
     return error_response(InternalError())
