@@ -1,10 +1,9 @@
-"""Stores for runs against real servers: SQLite now, PostgreSQL once the store exists.
+"""Stores for runs against real servers: SQLite and PostgreSQL.
 
 ``store_target(kind, tmp_path)`` yields a store URL a server can be started on. The
-PostgreSQL variant skips, saying why, until ``open_store("postgresql://…")`` works
-on this branch (the store lands with branch ``pg``); then it creates a schema of its
-own (``?options=-csearch_path%3D…``), names its connections after it so they can be
-terminated, and drops it afterwards.
+PostgreSQL variant creates a schema of its own (``?options=-csearch_path%3D…``), names
+its connections after it so they can be terminated, and drops it afterwards; without
+a PostgreSQL to use it skips locally and fails in CI.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from leasekeeper.store import StoreURLError, open_store
 from tests import conftest
 
 STORES = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
@@ -100,14 +98,7 @@ def store_target(kind: str, tmp_path: Path) -> Iterator[Target]:
     base = conftest.postgres_url()
     if base is None:
         pytest.skip("PostgreSQL runs need LEASEKEEPER_TEST_POSTGRES_URL (make test sets it)")
-    try:
-        open_store(base)
-    except StoreURLError as exc:
-        pytest.skip(
-            f"the PostgreSQL store is not on this branch yet (open_store says: {exc}); "
-            "this run switches on once branch pg is merged"
-        )
-    import psycopg
+    psycopg = conftest.import_or_skip("psycopg")
 
     schema = f"lk_prove_{secrets.token_hex(5)}"
     try:

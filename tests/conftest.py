@@ -9,6 +9,7 @@ afterwards; without that variable they skip with the reason, except in CI
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import secrets
@@ -192,6 +193,14 @@ def api(make_api: ApiFactory) -> Api:
 @pytest.fixture
 def ns(api: Api) -> str:
     return api.namespace()
+
+
+def import_or_skip(module: str) -> Any:
+    """``module``, imported; a missing one skips locally and fails in CI, where
+    ``make test`` installs every extra."""
+    if os.environ.get("CI"):
+        return importlib.import_module(module)
+    return pytest.importorskip(module)
 
 
 def postgres_url() -> str | None:

@@ -2,9 +2,8 @@
 
 Each run prints one summary line (collected in ``conftest.RUN_SUMMARIES`` and shown at
 the end of the session). The fast versions run in ``make test``; the long ones are
-``soak`` runs (``make soak``). Every run is parametrized by store: SQLite now, and
-PostgreSQL with two service instances as soon as ``open_store("postgresql://…")``
-works on this branch (until then those variants skip, saying so).
+``soak`` runs (``make soak``). Every run is parametrized by store: SQLite, and
+PostgreSQL with two service instances.
 """
 
 from __future__ import annotations

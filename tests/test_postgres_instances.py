@@ -34,9 +34,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import drop_schema, new_schema_name, postgres_url
+from tests.conftest import drop_schema, import_or_skip, new_schema_name, postgres_url
 
-psycopg = pytest.importorskip("psycopg")
+psycopg = import_or_skip("psycopg")
 
 BASE = "/services/v1"
 

@@ -38,9 +38,9 @@ from leasekeeper._core.model import (
 )
 from leasekeeper.store import Store, StoreURLError, open_store
 from tests._stores import store_target
-from tests.conftest import StoreFactory, new_schema_name, postgres_url
+from tests.conftest import StoreFactory, import_or_skip, new_schema_name, postgres_url
 
-psycopg = pytest.importorskip("psycopg")
+psycopg = import_or_skip("psycopg")
 pytestmark = pytest.mark.postgres
 
 T = TypeVar("T")
@@ -141,7 +141,6 @@ def test_the_pool_size_setting_reaches_the_store() -> None:
 
 def test_a_malformed_url_is_refused_without_repeating_it() -> None:
     """A URL that does not parse is a StoreURLError that does not echo a password."""
-    pytest.importorskip("psycopg")
     with pytest.raises(StoreURLError) as caught:
         open_store("postgresql://user:hunter2@[::1/db?nonsense_parameter=1")
     assert "hunter2" not in str(caught.value)
@@ -734,7 +733,6 @@ def free_port() -> int:
 
 def test_an_unreachable_database_fails_open_within_the_timeout() -> None:
     """Opening a store whose server refuses connections fails as unavailable, on time."""
-    pytest.importorskip("psycopg")
     store = open_store(f"postgresql://postgres@127.0.0.1:{free_port()}/test", timeout_seconds=1)
     started = time.monotonic()
     with pytest.raises(ServiceUnavailable, match="Cannot open the PostgreSQL store"):
