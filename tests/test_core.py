@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import secrets as random_secrets
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+import leasekeeper._core
 from leasekeeper import FakeClock, InvalidRequest, PayloadTooLarge
 from leasekeeper._core import rules, secrets, times, validation
 from leasekeeper._core.model import (
@@ -540,3 +543,27 @@ def test_records_are_immutable() -> None:
     record = granted(decide_with_fence(None, acquire(), T0, Fences())).record
     with pytest.raises(AttributeError):
         record.owner = None  # type: ignore[misc]
+
+
+def test_the_core_reads_no_clock_and_does_no_io() -> None:
+    """The core's modules name no clock, randomness, thread, file or socket: the lease
+    rules are functions of record, command and time, and nothing else."""
+    core = Path(leasekeeper._core.__file__).parent
+    forbidden = {
+        "time.time", "time.time_ns", "time.monotonic", "time.monotonic_ns",
+        "time.perf_counter", "datetime.now", "datetime.utcnow", "os.urandom",
+        "random", "secrets.token_bytes", "threading", "socket", "open", "asyncio",
+        "sqlite3", "psycopg", "subprocess",
+    }  # fmt: skip
+    for module in sorted(core.glob("*.py")):
+        tree = ast.parse(module.read_text(), str(module))
+        names = {ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+        names |= {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+        names |= {
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import | ast.ImportFrom)
+            for alias in node.names
+        }
+        names |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not names & forbidden, (module.name, names & forbidden)

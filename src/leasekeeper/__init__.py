@@ -4,7 +4,7 @@ The public API is what ``__all__`` lists; everything in ``_``-prefixed modules
 may change without notice.
 """
 
-from leasekeeper._core.clock import Clock, FakeClock, SystemClock
+from leasekeeper._clock import Clock, FakeClock, SystemClock
 from leasekeeper._errors import (
     FingerprintConflict,
     InternalError,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from urllib.parse import unquote, urlsplit
 
-from leasekeeper._core.clock import Clock
+from leasekeeper._clock import Clock
 from leasekeeper.store._base import (
     MAX_FENCING_TOKEN,
     MAX_RAISED_FENCE,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from leasekeeper._core.clock import Clock, SystemClock
+from leasekeeper._clock import Clock, SystemClock
 from leasekeeper._core.model import Command, Decision, LeaseRecord
 from leasekeeper._core.rules import lifecycle_over
 from leasekeeper.store._base import Purged, decide_with_fence

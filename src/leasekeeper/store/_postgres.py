@@ -58,7 +58,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import TupleRow
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from leasekeeper._core.clock import Clock
+from leasekeeper._clock import Clock
 from leasekeeper._core.model import Command, Decision, LeaseRecord
 from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
 from leasekeeper.store._base import Deadlines, Purged, decide_in_turn, settle

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from leasekeeper._core.clock import Clock, SystemClock
+from leasekeeper._clock import Clock, SystemClock
 from leasekeeper._core.model import Command, Decision, LeaseRecord
 from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
 from leasekeeper.store._base import Deadlines, Purged, decide_in_turn, settle
