@@ -11,6 +11,7 @@ client SDK raises the very same classes when it reads such a body back.
     ├── RequestError                the request itself is at fault (4xx)
     │   ├── InvalidRequest          400 invalid: bad JSON, wrong type, broken rule
     │   ├── PayloadTooLarge         413 too_large: body over 64 KiB, result over 32 KiB
+    │   │   └── HeadersTooLarge     431 too_large: a request's head over 64 KiB (server only)
     │   ├── NotFound                404 not_found: no such route
     │   ├── MethodNotAllowed        405 method_not_allowed
     │   ├── RequestTimeout          408 timeout: headers or body not sent in time (slow client)
@@ -43,6 +44,7 @@ from typing import Any, ClassVar
 
 __all__ = [
     "FingerprintConflict",
+    "HeadersTooLarge",
     "InternalError",
     "InvalidRequest",
     "LeaseConflict",
@@ -114,6 +116,11 @@ class PayloadTooLarge(RequestError):
 
     status = "too_large"
     default_message = "Request body is too large"
+
+
+class HeadersTooLarge(PayloadTooLarge):
+    """The request's head (request line and headers) is over the limit: the server
+    answers it before any route, and a client reads it back as ``PayloadTooLarge``."""
 
 
 class NotFound(RequestError):

@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from leasekeeper._errors import (
     FingerprintConflict,
+    HeadersTooLarge,
     InternalError,
     InvalidRequest,
     LeaseError,
@@ -44,6 +45,7 @@ STATUS_CODES: dict[type[LeaseError], int] = {
     FingerprintConflict: 409,
     LeaseLost: 409,
     PayloadTooLarge: 413,
+    HeadersTooLarge: 431,
     RateLimited: 429,
     InternalError: 500,
     ServiceUnavailable: 503,

@@ -34,7 +34,7 @@ from typing import Any
 import httptools
 import orjson
 
-from leasekeeper._errors import InvalidRequest, LeaseError, PayloadTooLarge, RequestTimeout
+from leasekeeper._errors import HeadersTooLarge, InvalidRequest, LeaseError, RequestTimeout
 from leasekeeper.http._errors import status_code
 
 __all__ = ["MAX_HEAD_BYTES", "guard_protocol", "raw_error_response"]
@@ -47,11 +47,11 @@ _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header 
 MAX_HEAD_BYTES = 65_536
 
 
-def raw_error_response(error: LeaseError, code: int | None = None) -> bytes:
-    """A whole HTTP/1.1 response for ``error`` (with status ``code``, by default the
-    error's own) that closes the connection."""
+def raw_error_response(error: LeaseError) -> bytes:
+    """A whole HTTP/1.1 response for ``error``, with its status code from the one
+    table, that closes the connection."""
     body = orjson.dumps(error.body())
-    code = code or status_code(error)
+    code = status_code(error)
     return b"".join(
         [
             b"HTTP/1.1 %d %s\r\n" % (code, _REASONS.get(code, b"Error")),
@@ -70,7 +70,7 @@ _TIMED_OUT = raw_error_response(
 )
 _MALFORMED = raw_error_response(InvalidRequest("The request is not valid HTTP/1.1"))
 _HEAD_TOO_LARGE = raw_error_response(
-    PayloadTooLarge(f"The request headers are larger than {MAX_HEAD_BYTES} bytes"), 431
+    HeadersTooLarge(f"The request headers are larger than {MAX_HEAD_BYTES} bytes")
 )
 
 
