@@ -3,12 +3,14 @@ streamable HTTP against ``leasekeeper serve`` and over stdio against ``leasekeep
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import itertools
 import json
 import logging
 import os
+import re
 import secrets
 import select
 import signal
@@ -260,10 +262,16 @@ async def test_input_schemas_carry_the_spec_bounds(service: LeaseService) -> Non
     }
     assert (acquire["fingerprint"]["minLength"], acquire["fingerprint"]["maxLength"]) == (1, 1024)
     assert (acquire["key"]["minLength"], acquire["key"]["maxLength"]) == (1, 200)
-    assert acquire["namespace"]["pattern"] == "^ns_[A-Za-z0-9_-]{43}$"
-    assert tools["renew_lease"].input_schema["properties"]["owner_token"]["pattern"] == (
-        "^own_[A-Za-z0-9_-]{43}$"
-    )
+    # The service's own patterns, as in the OpenAPI document: what the service takes.
+    owner_token = tools["renew_lease"].input_schema["properties"]["owner_token"]
+    for pattern, prefix in (
+        (acquire["namespace"]["pattern"], "ns_"),
+        (owner_token["pattern"], "own_"),
+    ):
+        canonical = prefix + base64.urlsafe_b64encode(bytes(31) + b"\x01").decode().rstrip("=")
+        assert re.fullmatch(pattern.strip("^$"), canonical)
+        assert not re.fullmatch(pattern.strip("^$"), canonical[:-1] + "B")  # not canonical
+        assert not re.fullmatch(pattern.strip("^$"), canonical[:-1])
     assert "result" in tools["complete_lease"].input_schema["properties"]
     # What a model must know: the secrets, and what each refusal means.
     assert "secret" in tools["create_lease_namespace"].description

@@ -18,9 +18,12 @@ from typing import Annotated, Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from leasekeeper._core import secrets, validation
+from leasekeeper._core.validation import DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
 from leasekeeper._errors import InvalidRequest
 
 __all__ = [
+    "DEFAULT_TTL_SECONDS",
+    "MAX_TTL_SECONDS",
     "AcquireBody",
     "CompleteBody",
     "NamespaceBody",
@@ -29,8 +32,6 @@ __all__ = [
     "parse_body",
 ]
 
-MAX_TTL_SECONDS = 86_400
-DEFAULT_TTL_SECONDS = 60
 
 # What each field must be, for error messages (never the value).
 FIELD_RULES: dict[str, str] = {

@@ -18,8 +18,10 @@ import orjson
 from leasekeeper._errors import InvalidRequest, PayloadTooLarge
 
 __all__ = [
+    "DEFAULT_TTL_SECONDS",
     "MAX_DEPTH",
     "MAX_RESULT_BYTES",
+    "MAX_TTL_SECONDS",
     "NOT_AN_OBJECT",
     "UTF8_BOM",
     "check_bare_key",
@@ -39,6 +41,9 @@ UTF8_BOM = "\ufeff".encode()
 NOT_AN_OBJECT = "Body must be a JSON object"
 MAX_RESULT_BYTES = 32_768
 MIN_BARE_KEY_BITS = 100.0
+#: A lease's length in seconds: at most a day, 60 when none is asked for.
+MAX_TTL_SECONDS = 86_400
+DEFAULT_TTL_SECONDS = 60
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 #: A control character or a lone surrogate (which no UTF-8 can carry).

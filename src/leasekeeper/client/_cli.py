@@ -50,6 +50,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
+from leasekeeper._core.validation import MAX_TTL_SECONDS
 from leasekeeper._errors import (
     FingerprintConflict,
     LeaseError,
@@ -429,7 +430,9 @@ def namespace_command(**options: Any) -> None:
 @_connection_options
 @_key_options
 @_fingerprint_options
-@click.option("--ttl", type=click.IntRange(1, 86_400), default=None, help="Lease seconds [60].")
+@click.option(
+    "--ttl", type=click.IntRange(1, MAX_TTL_SECONDS), default=None, help="Lease seconds [60]."
+)
 @click.option(
     "--wait",
     type=_Seconds(min=0),
@@ -468,7 +471,9 @@ def acquire_command(**options: Any) -> None:
 @_connection_options
 @_key_options
 @_owner_token_options
-@click.option("--ttl", type=click.IntRange(1, 86_400), default=None, help="Lease seconds [60].")
+@click.option(
+    "--ttl", type=click.IntRange(1, MAX_TTL_SECONDS), default=None, help="Lease seconds [60]."
+)
 def renew_command(**options: Any) -> None:
     """Move the lease's expiry (owner token from LEASEKEEPER_OWNER_TOKEN or a file)."""
     target = _target(options)
@@ -677,7 +682,11 @@ def _stored_status(result: Any) -> int:
 @_key_options
 @_fingerprint_options
 @click.option(
-    "--ttl", type=click.IntRange(1, 86_400), default=30, show_default=True, help="Lease seconds."
+    "--ttl",
+    type=click.IntRange(1, MAX_TTL_SECONDS),
+    default=30,
+    show_default=True,
+    help="Lease seconds.",
 )
 @click.option(
     "--wait",

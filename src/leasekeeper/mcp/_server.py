@@ -69,7 +69,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from leasekeeper._core.secrets import NAMESPACE_PREFIX, OWNER_PREFIX
+from leasekeeper._core.secrets import NAMESPACE_PATTERN, OWNER_TOKEN_PATTERN
 from leasekeeper._core.validation import (
     MAX_RESULT_BYTES,
     NOT_AN_OBJECT,
@@ -123,11 +123,9 @@ TOOL_OPERATIONS: Final[Mapping[str, str]] = {
 # The spec's bounds, as JSON Schema. They tell a model what to send; the service
 # still checks every argument (a client need not honour a schema).
 
-_B64_43 = "[A-Za-z0-9_-]{43}"
-
 _NAMESPACE: Final = {
     "type": "string",
-    "pattern": f"^{NAMESPACE_PREFIX}{_B64_43}$",
+    "pattern": NAMESPACE_PATTERN,
     "description": (
         "The namespace returned by create_lease_namespace (ns_ followed by 43 characters). "
         "A secret: keep it in your own state and never show it to users or write it to "
@@ -168,7 +166,7 @@ _FINGERPRINT: Final = {
 }
 _OWNER_TOKEN: Final = {
     "type": "string",
-    "pattern": f"^{OWNER_PREFIX}{_B64_43}$",
+    "pattern": OWNER_TOKEN_PATTERN,
     "description": (
         "The owner_token that acquire_lease returned to you (own_ followed by 43 "
         "characters). A secret: it proves you own the lease."

@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 
 from leasekeeper._clock import Clock, SystemClock
-from leasekeeper._core.model import Command, Decision, LeaseRecord
-from leasekeeper._core.rules import lifecycle_over
+from leasekeeper._core.model import Command, Decision, LeaseRecord, LeaseState
+from leasekeeper._core.rules import lifecycle_over, state_at
 from leasekeeper.store._base import Purged, decide_with_fence
 
 __all__ = ["MemoryStore"]
@@ -59,13 +59,9 @@ class MemoryStore:
     async def count_live(self) -> int:
         with self._lock:
             now = self._clock.now_ms()
-            return sum(1 for r in self._records.values() if _live(r, now))
+            return sum(1 for r in self._records.values() if state_at(r, now) is LeaseState.HELD)
 
     def records(self) -> dict[bytes, LeaseRecord]:
         """A snapshot of every record (tests read it to look at what is stored)."""
         with self._lock:
             return dict(self._records)
-
-
-def _live(record: LeaseRecord, now_ms: int) -> bool:
-    return record.owner is not None and now_ms < record.lease_expires_ms
