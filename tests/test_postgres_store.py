@@ -261,7 +261,7 @@ def test_fence_and_cleanup_create_no_store_in_an_empty_schema(
             conn.execute(f'DROP SCHEMA "{empty}" CASCADE')
     real_url = url_with(url, options=f"-csearch_path={real.schema}")  # type: ignore[attr-defined]
     done = CliRunner().invoke(main, ["fence", "--raise-to", "9000", "--store", real_url])
-    assert done.exit_code == 0 and '"fencing_counter": 9000' in done.output, done.output
+    assert done.exit_code == 0 and '"fencing_counter":9000' in done.output, done.output
 
 
 def test_a_store_that_cannot_connect_says_why(url: str) -> None:

@@ -510,7 +510,7 @@ def test_fence_through_a_symbolic_link_reads_the_store_as_a_server_would(
     link.symlink_to(db)
     done = CliRunner().invoke(main, ["fence", "--raise-to", "7", "--store", f"sqlite:///{link}"])
     assert done.exit_code == 0, done.output
-    assert '"fencing_counter": 7' in done.output
+    assert '"fencing_counter":7' in done.output
 
 
 def test_server_cleans_up_on_its_interval(tmp_path: Path) -> None:

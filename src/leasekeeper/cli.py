@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
+import orjson
 
 from leasekeeper._errors import LeaseError
 from leasekeeper._logging import configure_logging
@@ -306,7 +307,7 @@ def cleanup(store: str | None) -> None:
     It creates no store: a SQLite path where there is no file, or a PostgreSQL schema
     without leasekeeper's tables, is an error."""
     deleted = _once("cleanup", store, LeaseService.cleanup, existing=True)
-    click.echo(f'{{"ok": true, "deleted": {deleted}}}')
+    click.echo(orjson.dumps({"ok": True, "deleted": deleted}))
 
 
 @main.command()
@@ -332,7 +333,7 @@ def fence(store: str | None, raise_to: int | None) -> None:
     counter = _once(
         "fence", store, lambda service: service.raise_fence(raise_to or 0), existing=True
     )
-    click.echo(f'{{"ok": true, "fencing_counter": {counter}}}')
+    click.echo(orjson.dumps({"ok": True, "fencing_counter": counter}))
 
 
 if __name__ == "__main__":  # pragma: no cover - python -m leasekeeper.cli

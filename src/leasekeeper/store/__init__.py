@@ -38,8 +38,6 @@ __all__ = [
     "open_store",
 ]
 
-DEFAULT_STORE_URL = "sqlite:///./leasekeeper.db"
-
 
 class StoreURLError(ValueError):
     """The store URL names no backend this leasekeeper has, or is malformed."""
