@@ -9,6 +9,7 @@ afterwards; without that variable they skip with the reason, except in CI
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import os
 import re
@@ -39,6 +40,50 @@ class FakeMonotonic:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+class ManualSleep:
+    """``sleep`` for the app's background loops (cleanup, live-lease count), driven by
+    the test as trio's MockClock drives sleepers: each pause lasts until ``wake``.
+
+    Its coroutines run on the app's loop: from a TestClient's thread, call them with
+    ``client.portal.call``. ``until_asleep(n)`` returns once ``n`` loops are paused, so
+    after ``wake`` it says that the woken loops did their work and paused again.
+    """
+
+    def __init__(self) -> None:
+        #: Every pause asked for, in order.
+        self.pauses: list[float] = []
+        self._paused: list[asyncio.Future[None]] = []
+        self._changed: asyncio.Event | None = None
+
+    async def __call__(self, seconds: float) -> None:
+        self.pauses.append(seconds)
+        paused = asyncio.get_running_loop().create_future()
+        self._paused.append(paused)
+        self._event().set()
+        try:
+            await paused
+        finally:
+            self._paused.remove(paused)
+
+    def _event(self) -> asyncio.Event:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
+    async def until_asleep(self, loops: int) -> None:
+        """Return once ``loops`` loops are paused (fail after 10 s: a loop is stuck)."""
+        async with asyncio.timeout(10):
+            while len([p for p in self._paused if not p.done()]) < loops:
+                self._event().clear()
+                await self._event().wait()
+
+    async def wake(self) -> None:
+        """End every pause now."""
+        for paused in self._paused:
+            if not paused.done():
+                paused.set_result(None)
 
 
 @pytest.fixture
@@ -164,6 +209,7 @@ def make_api(make_store: StoreFactory, monotonic: FakeMonotonic) -> Iterator[Api
         *,
         lifecycle_seconds: int = 86_400,
         store: Store | None = None,
+        sleep: ManualSleep | None = None,
         **settings: Any,
     ) -> Api:
         store = store or make_store(store_kind)
@@ -172,6 +218,7 @@ def make_api(make_store: StoreFactory, monotonic: FakeMonotonic) -> Iterator[Api
             service,
             Settings(lifecycle_seconds=lifecycle_seconds, **settings),
             monotonic=monotonic,
+            sleep=sleep or ManualSleep(),
             run_cleanup=False,
         )
         client = TestClient(app, raise_server_exceptions=False)

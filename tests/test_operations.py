@@ -15,7 +15,7 @@ import pytest
 from leasekeeper import FakeClock
 from leasekeeper._logging import JsonFormatter
 from leasekeeper.store import MemoryStore
-from tests.conftest import STORE_KINDS, Api, ApiFactory, metric
+from tests.conftest import STORE_KINDS, Api, ApiFactory, ManualSleep, metric
 
 KEY = "invoice:2026-09-05"
 
@@ -118,22 +118,26 @@ def test_store_failures_are_counted(api: Api, ns: str) -> None:
 def test_live_leases_are_counted_by_the_store(
     make_api: ApiFactory, clock: FakeClock, store_kind: str
 ) -> None:
-    """The gauge counts held leases only: not released, completed or expired ones."""
-    api = make_api(store_kind, live_leases_interval_seconds=0.05)
+    """The gauge counts held leases only: not released, completed or expired ones, and
+    is counted again after each pause of LEASEKEEPER_LIVE_LEASES_INTERVAL_SECONDS."""
+    sleep = ManualSleep()
+    api = make_api(store_kind, live_leases_interval_seconds=15, sleep=sleep)
     ns = api.namespace()
+
+    def live() -> float:
+        return metric(api.client.get("/metrics").text, "leasekeeper_live_leases")
+
+    api.client.portal.call(sleep.until_asleep, 1)  # the count at start, of an empty store
+    assert live() == 0 and sleep.pauses == [15]
     tokens = [api.acquire(namespace=ns, key=f"k{i}", ttl_seconds=60).json() for i in range(5)]
     api.acquire(namespace=ns, key="short", ttl_seconds=1)
     api.release(namespace=ns, key="k0", owner_token=tokens[0]["owner_token"])
     api.complete(namespace=ns, key="k1", owner_token=tokens[1]["owner_token"], result=None)
     clock.advance(2)  # "short" expires
-
-    def live() -> float:
-        return metric(api.client.get("/metrics").text, "leasekeeper_live_leases")
-
-    deadline = time.monotonic() + 5
-    while live() != 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert live() == 3
+    assert live() == 0  # not counted again before the pause ends
+    api.client.portal.call(sleep.wake)
+    api.client.portal.call(sleep.until_asleep, 1)
+    assert live() == 3 and sleep.pauses == [15, 15]
     counted = metric(
         api.client.get("/metrics").text, "leasekeeper_live_leases_counted_timestamp_seconds"
     )
@@ -141,7 +145,8 @@ def test_live_leases_are_counted_by_the_store(
 
 
 def test_a_store_that_cannot_count_shows_no_gauge(make_api: ApiFactory) -> None:
-    """Without a count from the store there is no live-lease gauge, rather than a false 0."""
+    """Without a count from the store there is no live-lease gauge, rather than a false 0;
+    nor with the interval at 0."""
 
     class Uncounted:
         def __init__(self) -> None:
@@ -152,12 +157,12 @@ def test_a_store_that_cannot_count_shows_no_gauge(make_api: ApiFactory) -> None:
                 raise AttributeError(name)
             return getattr(self.inner, name)
 
-    api = make_api(store=Uncounted(), live_leases_interval_seconds=0.05)  # type: ignore[arg-type]
-    deadline = time.monotonic() + 5
-    while "leasekeeper_live_leases" in api.client.get("/metrics").text:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    api = make_api(store=Uncounted(), live_leases_interval_seconds=15)  # type: ignore[arg-type]
+    assert "leasekeeper_live_leases" not in api.client.get("/metrics").text
     assert api.acquire(namespace=api.namespace(), key=KEY).status_code == 201
+    never = make_api("memory", live_leases_interval_seconds=0)
+    assert "leasekeeper_live_leases" not in never.client.get("/metrics").text
+    assert "leasekeeper_requests_total" in never.client.get("/metrics").text
 
 
 def test_serve_takes_startup_objects_out_of_the_garbage_collectors_scans() -> None:

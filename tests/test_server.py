@@ -27,6 +27,7 @@ from leasekeeper.http import create_app
 from leasekeeper.store import SqliteStore
 from tests._server import free_port, running_server, start_server
 from tests._stores import STORES, store_target
+from tests.conftest import ManualSleep
 
 pytestmark = pytest.mark.slow
 
@@ -530,26 +531,29 @@ def test_server_cleans_up_on_its_interval(tmp_path: Path) -> None:
         assert 'leasekeeper_cleanup_runs_total{result="ok"}' in metrics
 
 
-def test_the_first_cleanup_runs_within_the_first_interval(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_first_cleanup_runs_within_the_first_interval(tmp_path: Path) -> None:
     """The first pass runs at a random point of the first interval, not after a whole
-    one: a server restarted more often than hourly still cleans up. Here the point is
-    the start of an hour-long interval."""
+    one: a server restarted more often than hourly still cleans up. Then one pass per
+    interval."""
     from starlette.testclient import TestClient
 
-    from leasekeeper.http import _app
-
-    monkeypatch.setattr(_app, "_first_cleanup_fraction", lambda: 0.0)
     db = tmp_path / "first.db"
     _expired_records(db, 30)
     service = LeaseService(SqliteStore(db))
-    app = create_app(service, Settings(cleanup_interval_seconds=3600))
-    with TestClient(app):
-        deadline = time.monotonic() + 10
-        while _count(db) and time.monotonic() < deadline:
-            time.sleep(0.02)
+    sleep = ManualSleep()
+    app = create_app(
+        service, Settings(cleanup_interval_seconds=3600, live_leases_interval_seconds=0),
+        sleep=sleep,
+    )  # fmt: skip
+    with TestClient(app) as client:
+        client.portal.call(sleep.until_asleep, 1)
+        (first,) = sleep.pauses
+        assert 0 <= first < 3600
+        assert _count(db) == 30  # not before the first pause ends
+        client.portal.call(sleep.wake)
+        client.portal.call(sleep.until_asleep, 1)
         assert _count(db) == 0
+        assert sleep.pauses == [first, 3600]
 
 
 def test_requests_over_the_in_flight_cap_get_json_503(tmp_path: Path) -> None:

@@ -139,6 +139,11 @@ class LeaseService:
         """Raise ``ServiceUnavailable`` unless the store answers."""
         await self._timed("ping", self.store.ping())
 
+    @property
+    def counts_live(self) -> bool:
+        """Whether the store can count the leases held right now (``count_live``)."""
+        return isinstance(self.store, LiveCounter)
+
     async def count_live(self) -> int | None:
         """Leases held right now, by the store's count; None when the store cannot count."""
         if not isinstance(self.store, LiveCounter):

@@ -14,7 +14,7 @@ import logging
 import random
 import time
 import types
-from collections.abc import AsyncIterator, Callable, Generator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping
 from typing import Any
 
 import orjson
@@ -75,6 +75,7 @@ def create_app(
     settings: Settings | None = None,
     *,
     monotonic: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     run_cleanup: bool = True,
     extra_routes: list[BaseRoute] | None = None,
     lifespan_hooks: list[Callable[[], contextlib.AbstractAsyncContextManager[None]]] | None = None,
@@ -84,7 +85,8 @@ def create_app(
 
     Its lifespan opens the store and, when ``run_cleanup`` is true, runs the
     cleanup every ``settings.cleanup_interval_seconds``. ``monotonic`` drives the
-    rate limits (tests pass a fake). ``extra_routes`` and ``lifespan_hooks`` let
+    rate limits, and ``sleep`` the pauses of the cleanup and of the live-lease count
+    (tests pass fakes). ``extra_routes`` and ``lifespan_hooks`` let
     other adapters (MCP) mount beside the API; ``limits`` are the rate limits to
     share with them (by default new ones from ``settings`` on ``monotonic``).
     """
@@ -141,9 +143,9 @@ def create_app(
         # The first pass at a random point of the first interval: instances started
         # together spread out, and a server restarted more often than the interval
         # (every deploy) still cleans up, where waiting a whole interval first never did.
-        pause = settings.cleanup_interval_seconds * _first_cleanup_fraction()
+        pause = settings.cleanup_interval_seconds * random.random()  # no secret
         while True:
-            await asyncio.sleep(pause)
+            await sleep(pause)
             pause = settings.cleanup_interval_seconds
             started = time.perf_counter()
             try:
@@ -158,6 +160,11 @@ def create_app(
             metrics.cleanup_deleted.inc(deleted)
             log.info("cleanup deleted %d records whose lifecycle was over", deleted)
 
+    counting = settings.live_leases_interval_seconds > 0 and service.counts_live
+    if not counting:  # not counted: no gauge, rather than a false 0
+        metrics.registry.unregister(metrics.live_leases)
+        metrics.registry.unregister(metrics.live_leases_counted)
+
     async def live_leases_loop() -> None:
         while True:
             try:
@@ -165,13 +172,10 @@ def create_app(
             except LeaseError as error:
                 log.warning("counting live leases failed: %s", error.error)
             else:
-                if count is None:  # this store cannot count: show no gauge rather than 0
-                    metrics.registry.unregister(metrics.live_leases)
-                    metrics.registry.unregister(metrics.live_leases_counted)
-                    return
-                metrics.live_leases.set(count)
-                metrics.live_leases_counted.set(time.time())
-            await asyncio.sleep(settings.live_leases_interval_seconds)
+                if count is not None:  # always: the loop runs only on a store that counts
+                    metrics.live_leases.set(count)
+                    metrics.live_leases_counted.set(time.time())
+            await sleep(settings.live_leases_interval_seconds)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -184,7 +188,7 @@ def create_app(
         tasks = []
         if run_cleanup:
             tasks.append(asyncio.create_task(cleanup_loop()))
-        if settings.live_leases_interval_seconds > 0:
+        if counting:
             tasks.append(asyncio.create_task(live_leases_loop()))
         try:
             async with contextlib.AsyncExitStack() as stack:
@@ -242,11 +246,6 @@ _ROUTE_NAMES = {
 
 class ClientGone(Exception):
     """The client disconnected before its request body arrived."""
-
-
-def _first_cleanup_fraction() -> float:
-    """Where in its first interval the server's first cleanup runs (tests replace it)."""
-    return random.random()  # spreading timers: no secret
 
 
 async def _send_json(
