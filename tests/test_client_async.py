@@ -293,7 +293,19 @@ def test_async_once_runs_once_across_tasks(run_app: Callable[..., None]) -> None
     """Concurrent tasks calling an async once function: one runs it, all get the result."""
 
     async def scenario(transport: httpx.AsyncBaseTransport) -> None:
-        async with AsyncLeaseClient(BASE_URL, transport=transport) as client:
+        both_held = asyncio.Event()  # the two later callers were each told "held"
+        held: list[int] = []
+
+        class Watching(httpx.AsyncBaseTransport):
+            async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+                response = await transport.handle_async_request(request)
+                if response.status_code == 409:
+                    held.append(1)
+                    if len(held) >= 2:
+                        both_held.set()
+                return response
+
+        async with AsyncLeaseClient(BASE_URL, transport=Watching()) as client:
             namespace = await client.create_namespace()
             calls: list[int] = []
             started = asyncio.Event()
@@ -302,7 +314,7 @@ def test_async_once_runs_once_across_tasks(run_app: Callable[..., None]) -> None
             async def job(n: int) -> dict[str, int]:
                 calls.append(n)
                 started.set()
-                await asyncio.sleep(0.05)
+                await asyncio.wait_for(both_held.wait(), 10)  # they wait while it works
                 return {"n": n}
 
             first = asyncio.create_task(job(7))
