@@ -6,7 +6,7 @@ import pytest
 
 import leasekeeper
 from leasekeeper import Settings, SettingsError
-from leasekeeper.store import MemoryStore, SqliteStore, StoreURLError, open_store
+from leasekeeper.store import Durable, MemoryStore, SqliteStore, StoreURLError, open_store
 
 
 def test_defaults_follow_the_spec() -> None:
@@ -93,6 +93,11 @@ def test_store_by_url_scheme(tmp_path: object) -> None:
     for bad in ("redis://localhost", "sqlite://", "nonsense"):
         with pytest.raises(StoreURLError):
             open_store(bad)
+    # What outlives the process, for the operator commands: not the memory store.
+    postgres = open_store("postgresql://postgres:hunter2@127.0.0.1:5432/test")
+    assert isinstance(store, Durable) and isinstance(postgres, Durable)
+    assert not isinstance(open_store("memory://"), Durable)
+    assert absolute.where == "at /var/lib/lk/abs.db" and "hunter2" not in postgres.where
 
 
 def test_stores_without_a_pool_ignore_the_pool_size() -> None:

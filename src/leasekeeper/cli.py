@@ -22,8 +22,7 @@ from leasekeeper.client._cli import CLIENT_COMMANDS
 from leasekeeper.http._protocol import guard_protocol
 from leasekeeper.store import (
     MAX_RAISED_FENCE,
-    MemoryStore,
-    SqliteStore,
+    Durable,
     StoreURLError,
     open_store,
 )
@@ -255,31 +254,29 @@ def _once(
     in the PostgreSQL schema) is a usage error, not a new store. A memory store is
     always one: it is empty in every process but the server's."""
     service = _service(_settings(store=store))
-    if isinstance(service.store, MemoryStore):
+    durable = service.store
+    if not isinstance(durable, Durable):
         raise click.UsageError(
             f"{command} needs a store that outlives a process: a memory:// store "
             "lives only inside the server that holds it"
         )
     if existing:
         try:
-            found = asyncio.run(service.store.exists())  # type: ignore[attr-defined]
+            found = asyncio.run(durable.exists())
         except Exception as exc:
             click.echo(f"{command} failed: {exc}", err=True)
             sys.exit(1)
         if not found:
-            where = (
-                f"at {service.store.path}"
-                if isinstance(service.store, SqliteStore)
-                else "in that PostgreSQL database and schema (check the URL's search_path)"
+            raise click.UsageError(
+                f"there is no leasekeeper store {durable.where}; none is created"
             )
-            raise click.UsageError(f"there is no leasekeeper store {where}; none is created")
         # After a restore, before anything else (fence only: cleanup runs from cron
         # beside servers, and the check reads the whole file in one read transaction).
-        if command == "fence" and isinstance(service.store, SqliteStore):
-            damage = asyncio.run(service.store.damage())
+        if command == "fence":
+            damage = asyncio.run(durable.damage())
             if damage is not None:
                 click.echo(
-                    f"{command} refused: the SQLite store is damaged ({damage}); "
+                    f"{command} refused: {damage}; "
                     "restore it from a backup as the README says (Operations, Durability)",
                     err=True,
                 )

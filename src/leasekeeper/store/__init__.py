@@ -17,6 +17,7 @@ from leasekeeper._clock import Clock
 from leasekeeper.store._base import (
     MAX_FENCING_TOKEN,
     MAX_RAISED_FENCE,
+    Durable,
     LiveCounter,
     Purged,
     Store,
@@ -28,6 +29,7 @@ from leasekeeper.store._sqlite import SqliteStore
 __all__ = [
     "MAX_FENCING_TOKEN",
     "MAX_RAISED_FENCE",
+    "Durable",
     "LiveCounter",
     "MemoryStore",
     "Purged",

@@ -29,6 +29,12 @@ Optionally, a store may also be a ``LiveCounter``: ``count_live()`` returns how 
 leases are held at the store's ``now`` (for the ``leasekeeper_live_leases`` gauge). It
 may be slow (a scan), must not delay ``apply``, and is read every few seconds at most.
 
+A store whose records outlive the process (SQLite, PostgreSQL) is also ``Durable``:
+``exists()`` says, creating nothing, whether leasekeeper's tables are there already,
+``damage()`` names what a check of the whole store finds wrong (or None), and
+``where`` says where it is, for messages. The operator commands (``leasekeeper
+cleanup``, ``fence``) take only these.
+
 Failures to reach or write the store raise ``ServiceUnavailable``; nothing else
 escapes. The rules themselves live in ``leasekeeper._core.rules``: every backend
 calls ``decide_with_fence`` (a batch of commands through ``decide_in_turn``), so
@@ -51,6 +57,7 @@ __all__ = [
     "MAX_FENCING_TOKEN",
     "MAX_RAISED_FENCE",
     "Deadlines",
+    "Durable",
     "LiveCounter",
     "Purged",
     "Store",
@@ -111,6 +118,25 @@ class LiveCounter(Protocol):
 
     async def count_live(self) -> int:
         """Leases whose owner holds them at the store's ``now``."""
+        ...
+
+
+@runtime_checkable
+class Durable(Protocol):
+    """A store whose records outlive the process (optional; see the module docstring)."""
+
+    @property
+    def where(self) -> str:
+        """Where the store is, after "no leasekeeper store": "at PATH", say."""
+        ...
+
+    async def exists(self) -> bool:
+        """Whether leasekeeper's tables are there already, read without creating anything."""
+        ...
+
+    async def damage(self) -> str | None:
+        """What a check of the whole store finds wrong (for ``fence``, after a restore),
+        or None."""
         ...
 
 

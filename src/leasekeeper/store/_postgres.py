@@ -421,6 +421,15 @@ class PostgresStore:
         deleted = await self._run("purge", run)
         return Purged(deleted, b"" if deleted >= limit else None)
 
+    @property
+    def where(self) -> str:
+        """Where the store is, for messages (never the URL, which may hold a password)."""
+        return "in that PostgreSQL database and schema (check the URL's search_path)"
+
+    async def damage(self) -> str | None:
+        """None: PostgreSQL checks its own pages; there is no file here to check."""
+        return None
+
     async def exists(self) -> bool:
         """Whether leasekeeper's tables are in the store's schema already, on a connection
         of its own and without creating anything: for the operator commands that must

@@ -340,6 +340,11 @@ class SqliteStore:
         counter: int = await self._submit(None, run)
         return counter
 
+    @property
+    def where(self) -> str:
+        """Where the store is, for messages."""
+        return f"at {self.path}"
+
     async def exists(self) -> bool:
         """Whether the store is there already (a file holding leasekeeper's tables), read
         without creating or changing anything: for the operator commands that must not
@@ -361,16 +366,19 @@ class SqliteStore:
         return version is not None
 
     async def damage(self) -> str | None:
-        """SQLite's first complaint about the file (``PRAGMA integrity_check``), or None
-        when it finds none: for ``leasekeeper fence``, run after a restore, where a store
-        copied over a leftover WAL is damaged in ways ``quick_check`` does not look for
-        (the order of a table without rowids). It reads the whole file."""
+        """ "the SQLite store is damaged (…)" with SQLite's first complaint about the file
+        (``PRAGMA integrity_check``), or None when it finds none: for ``leasekeeper
+        fence``, run after a restore, where a store copied over a leftover WAL is damaged
+        in ways ``quick_check`` does not look for (the order of a table without rowids).
+        It reads the whole file."""
         try:
             with self._read_only() as conn:  # never immutable: servers may be writing
                 found = conn.execute("PRAGMA integrity_check(1)").fetchone()
         except sqlite3.DatabaseError as exc:
-            return str(exc)
-        return None if found is not None and found[0] == "ok" else str(found[0] if found else "")
+            return f"the SQLite store is damaged ({exc})"
+        if found is not None and found[0] == "ok":
+            return None
+        return f"the SQLite store is damaged ({found[0] if found else ''})"
 
     def _read_only(self, *, leave_no_files: bool = False) -> contextlib.closing[sqlite3.Connection]:
         """A read-only connection of its own, waiting up to the store's timeout for a lock.
