@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
+import importlib.util
+from pathlib import Path
+
 import pytest
 
 import leasekeeper
@@ -135,3 +140,27 @@ def test_exception_tree() -> None:
         "status": "lost",
         "error": "You do not hold this lease",
     }
+
+
+def test_modules_import_from_each_other_only_what_they_export() -> None:
+    """A name one leasekeeper module imports from another is in that module's
+    ``__all__`` (or is a submodule): no module reaches into another's private names."""
+    root = Path(leasekeeper.__file__).parent
+    reached = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (
+                isinstance(node, ast.ImportFrom) and (node.module or "").startswith("leasekeeper")
+            ):
+                continue
+            module = importlib.import_module(str(node.module))
+            exported = getattr(module, "__all__", None)
+            for alias in node.names:
+                if exported is None or alias.name in exported:
+                    continue
+                submodule = hasattr(module, "__path__") and importlib.util.find_spec(
+                    f"{node.module}.{alias.name}"
+                )
+                if not submodule:
+                    reached.append(f"{path.relative_to(root)}: {node.module}.{alias.name}")
+    assert reached == []

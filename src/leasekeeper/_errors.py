@@ -43,6 +43,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 __all__ = [
+    "MAX_RETRY_AFTER",
     "FingerprintConflict",
     "HeadersTooLarge",
     "InternalError",

@@ -29,6 +29,7 @@ __all__ = [
     "check_text",
     "check_tree",
     "encode_result",
+    "json_failure",
     "key_entropy_bits",
     "parse_json_object",
     "redact",

@@ -7,10 +7,11 @@ of ``leasekeeper``'s one exception tree.
 """
 
 from leasekeeper.client._async import AsyncHeldLease, AsyncLeaseClient
+from leasekeeper.client._common import current_lease
 from leasekeeper.client._fence import FenceGuard
 from leasekeeper.client._renewer import AsyncRenewalWorker, AsyncSignal, RenewalWorker
 from leasekeeper.client._results import Completed, Lease, Released
-from leasekeeper.client._sync import HeldLease, LeaseClient, current_lease
+from leasekeeper.client._sync import HeldLease, LeaseClient
 from leasekeeper.client._timing import RenewalPlan
 
 __all__ = [

@@ -17,6 +17,16 @@ from typing import Any, ParamSpec
 import httpx
 
 from leasekeeper._errors import LeaseError, LeaseHeld, LeaseLost
+from leasekeeper.client._common import (
+    NOT_OWNED,
+    ONCE_LEASE,
+    PASSING,
+    WAITABLE,
+    OnWait,
+    Wait,
+    complete_deadline,
+    complete_delay,
+)
 from leasekeeper.client._http import (
     DEFAULT_TIMEOUT,
     HEADERS,
@@ -37,16 +47,6 @@ from leasekeeper.client._results import (
     parse_lease,
     parse_namespace,
     parse_released,
-)
-from leasekeeper.client._sync import (
-    _NOT_OWNED,
-    _ONCE_LEASE,
-    _PASSING,
-    _WAITABLE,
-    OnWait,
-    Wait,
-    _complete_deadline,
-    _complete_delay,
 )
 from leasekeeper.client._timing import RenewalPlan, acquire_delay, as_seconds
 
@@ -164,7 +164,7 @@ class AsyncLeaseClient:
             sent_at = self._monotonic()
             try:
                 return parse_acquire(await self._post("/lease", body)), sent_at
-            except _WAITABLE as error:
+            except WAITABLE as error:
                 delay = acquire_delay(
                     attempt,
                     error.retry_after or 0,
@@ -267,11 +267,11 @@ class AsyncLeaseClient:
                 ) as lease:
                     if lease.completed:
                         return lease.result
-                    running = _ONCE_LEASE.set(lease)
+                    running = ONCE_LEASE.set(lease)
                     try:
                         value = await function(*args, **kwargs)
                     finally:
-                        _ONCE_LEASE.reset(running)
+                        ONCE_LEASE.reset(running)
                     return await self._complete_once(lease, value)
 
             return run_once
@@ -284,15 +284,15 @@ class AsyncLeaseClient:
         while True:
             try:
                 return await lease._complete(value, retried=attempt > 0)
-            except _PASSING as error:
+            except PASSING as error:
                 if attempt == 0 and lease.renewer is not None:
                     # No renewals from here: one would race the retried complete, and be
                     # answered lost (the key completed) if the first attempt stored it.
                     await lease.renewer.stop()
                 now = self._monotonic()  # after the stop, which may wait for a renewal
                 if attempt == 0:
-                    deadline = _complete_deadline(lease, now)
-                delay = _complete_delay(error, attempt, deadline - now, self._random())
+                    deadline = complete_deadline(lease, now)
+                delay = complete_delay(error, attempt, deadline - now, self._random())
                 if delay is None:
                     raise
                 await self._signal_factory().wait(delay)
@@ -369,7 +369,7 @@ class AsyncHeldLease:
         if self.grant is not None:
             return self.grant.fencing_token
         if self.completed:
-            raise LeaseLost(_NOT_OWNED)
+            raise LeaseLost(NOT_OWNED)
         raise RuntimeError("the lease has not been acquired; use it in an async with block")
 
     async def __aenter__(self) -> AsyncHeldLease:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import logging
 import math
@@ -11,7 +10,6 @@ import random as _random
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec
 
@@ -21,9 +19,17 @@ from leasekeeper._errors import (
     LeaseError,
     LeaseHeld,
     LeaseLost,
-    RateLimited,
-    RequestTimeout,
-    ServiceUnavailable,
+)
+from leasekeeper.client._common import (
+    NOT_OWNED,
+    ONCE_LEASE,
+    PASSING,
+    WAITABLE,
+    OnLost,
+    OnWait,
+    Wait,
+    complete_deadline,
+    complete_delay,
 )
 from leasekeeper.client._http import (
     DEFAULT_TIMEOUT,
@@ -49,68 +55,13 @@ from leasekeeper.client._results import (
 from leasekeeper.client._timing import RenewalPlan, acquire_delay, as_seconds
 
 if TYPE_CHECKING:
-    from leasekeeper.client._async import AsyncHeldLease
+    pass
 
 __all__ = ["HeldLease", "LeaseClient"]
 
 log = logging.getLogger("leasekeeper.client")
 
 P = ParamSpec("P")
-
-#: ``on_wait(error, delay_seconds)``: told before each wait for a held key.
-OnWait = Callable[[LeaseError, float], object]
-#: ``on_lost(error)``: told once when a held lease is lost.
-OnLost = Callable[[LeaseLost], object]
-Wait = float | timedelta | None
-
-#: What ``acquire`` waits through when it may wait: held keys and passing faults.
-#: What ``wait=`` retries: a held key, a busy or unavailable service, a request the
-#: service did not receive in time (408).
-_WAITABLE = (LeaseHeld, RateLimited, ServiceUnavailable, RequestTimeout)
-#: A refused ``complete`` that ``once`` tries again while its lease is held.
-_PASSING = (ServiceUnavailable, RateLimited, RequestTimeout)
-#: The lease of the ``once`` call running in this context (``current_lease``).
-_ONCE_LEASE: contextvars.ContextVar[HeldLease | AsyncHeldLease] = contextvars.ContextVar(
-    "leasekeeper_once_lease"
-)
-
-
-def current_lease() -> HeldLease | AsyncHeldLease:
-    """The lease held for the ``once``-decorated function running now (in this thread,
-    or this task and the tasks it starts): call its ``check()`` before a side effect and
-    send its ``fencing_token`` with writes. ``LookupError`` outside such a function."""
-    try:
-        return _ONCE_LEASE.get()
-    except LookupError:
-        raise LookupError("current_lease() is only set inside a function run by once()") from None
-
-
-def _complete_deadline(lease: HeldLease | AsyncHeldLease, now: float) -> float:
-    """Until when ``once`` may go on retrying a ``complete`` that failed at ``now``:
-    while the lease is held by the local estimate, and at most one TTL."""
-    renewer = lease.renewer
-    expires = renewer.plan.expires_at if renewer is not None else now
-    return min(expires, now + lease._ttl)
-
-
-def _complete_delay(error: LeaseError, attempt: int, remaining: float, rand: float) -> float | None:
-    """The pause before retrying a ``complete`` refused with ``error`` (None: give up),
-    as ``acquire`` waits out an outage; said in a WARNING."""
-    delay = acquire_delay(attempt, error.retry_after or 0, remaining, rand, held=False)
-    if delay is not None:
-        log.warning(
-            "storing the result failed (%s: %s); retrying in %.1f s",
-            error.status,
-            error.error,
-            delay,
-        )
-    return delay
-
-
-_NOT_OWNED = (
-    "The work on this key was completed before this lease was entered: "
-    "it holds no fencing token and must not write"
-)
 
 
 class LeaseClient:
@@ -228,7 +179,7 @@ class LeaseClient:
             sent_at = self._monotonic()
             try:
                 return parse_acquire(self._post("/lease", body)), sent_at
-            except _WAITABLE as error:
+            except WAITABLE as error:
                 delay = acquire_delay(
                     attempt,
                     error.retry_after or 0,
@@ -345,11 +296,11 @@ class LeaseClient:
                 ) as lease:
                     if lease.completed:
                         return lease.result
-                    running = _ONCE_LEASE.set(lease)
+                    running = ONCE_LEASE.set(lease)
                     try:
                         value = function(*args, **kwargs)
                     finally:
-                        _ONCE_LEASE.reset(running)
+                        ONCE_LEASE.reset(running)
                     return self._complete_once(lease, value)
 
             return run_once
@@ -357,21 +308,21 @@ class LeaseClient:
         return decorate
 
     def _complete_once(self, lease: HeldLease, value: Any) -> Any:
-        """``lease.complete(value)``, tried again after a passing refusal (``_PASSING``)
+        """``lease.complete(value)``, tried again after a passing refusal (``PASSING``)
         while the lease is held, so that work done is not done again for a blip."""
         attempt, deadline = 0, math.inf
         while True:
             try:
                 return lease._complete(value, retried=attempt > 0)
-            except _PASSING as error:
+            except PASSING as error:
                 if attempt == 0 and lease.renewer is not None:
                     # No renewals from here: one would race the retried complete, and be
                     # answered lost (the key completed) if the first attempt stored it.
                     lease.renewer.stop()
                 now = self._monotonic()  # after the stop, which may wait for a renewal
                 if attempt == 0:
-                    deadline = _complete_deadline(lease, now)
-                delay = _complete_delay(error, attempt, deadline - now, self._random())
+                    deadline = complete_deadline(lease, now)
+                delay = complete_delay(error, attempt, deadline - now, self._random())
                 if delay is None:
                     raise
                 self._event_factory().wait(delay)
@@ -461,7 +412,7 @@ class HeldLease:
         if self.grant is not None:
             return self.grant.fencing_token
         if self.completed:
-            raise LeaseLost(_NOT_OWNED)
+            raise LeaseLost(NOT_OWNED)
         raise RuntimeError("the lease has not been acquired; use it in a with block")
 
     def __enter__(self) -> HeldLease:

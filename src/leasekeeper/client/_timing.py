@@ -13,6 +13,7 @@ from datetime import timedelta
 __all__ = [
     "FIRST_POLL_SECONDS",
     "MAX_POLL_SECONDS",
+    "MIN_RETRY_SECONDS",
     "RenewalPlan",
     "acquire_delay",
     "as_seconds",

@@ -30,6 +30,7 @@ __all__ = [
     "error_parts",
     "error_response",
     "http_exception_handler",
+    "status_code",
     "unexpected_handler",
 ]
 

@@ -1,0 +1,94 @@
+"""What the sync and async clients share: the waits and retries of ``acquire`` and
+``once``, and the ``once`` call's lease in this context (``current_lease``)."""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from leasekeeper._errors import (
+    LeaseError,
+    LeaseHeld,
+    LeaseLost,
+    RateLimited,
+    RequestTimeout,
+    ServiceUnavailable,
+)
+from leasekeeper.client._timing import acquire_delay
+
+if TYPE_CHECKING:
+    from leasekeeper.client._async import AsyncHeldLease
+    from leasekeeper.client._sync import HeldLease
+
+__all__ = [
+    "NOT_OWNED",
+    "ONCE_LEASE",
+    "PASSING",
+    "WAITABLE",
+    "OnLost",
+    "OnWait",
+    "Wait",
+    "complete_deadline",
+    "complete_delay",
+    "current_lease",
+]
+
+log = logging.getLogger("leasekeeper.client")
+
+#: ``on_wait(error, delay_seconds)``: told before each wait for a held key.
+OnWait = Callable[[LeaseError, float], object]
+#: ``on_lost(error)``: told once when a held lease is lost.
+OnLost = Callable[[LeaseLost], object]
+Wait = float | timedelta | None
+
+#: What ``acquire`` waits through when it may wait: held keys and passing faults.
+#: What ``wait=`` retries: a held key, a busy or unavailable service, a request the
+#: service did not receive in time (408).
+WAITABLE = (LeaseHeld, RateLimited, ServiceUnavailable, RequestTimeout)
+#: A refused ``complete`` that ``once`` tries again while its lease is held.
+PASSING = (ServiceUnavailable, RateLimited, RequestTimeout)
+#: The lease of the ``once`` call running in this context (``current_lease``).
+ONCE_LEASE: contextvars.ContextVar[HeldLease | AsyncHeldLease] = contextvars.ContextVar(
+    "leasekeeper_once_lease"
+)
+
+
+def current_lease() -> HeldLease | AsyncHeldLease:
+    """The lease held for the ``once``-decorated function running now (in this thread,
+    or this task and the tasks it starts): call its ``check()`` before a side effect and
+    send its ``fencing_token`` with writes. ``LookupError`` outside such a function."""
+    try:
+        return ONCE_LEASE.get()
+    except LookupError:
+        raise LookupError("current_lease() is only set inside a function run by once()") from None
+
+
+def complete_deadline(lease: HeldLease | AsyncHeldLease, now: float) -> float:
+    """Until when ``once`` may go on retrying a ``complete`` that failed at ``now``:
+    while the lease is held by the local estimate, and at most one TTL."""
+    renewer = lease.renewer
+    expires = renewer.plan.expires_at if renewer is not None else now
+    return min(expires, now + lease._ttl)
+
+
+def complete_delay(error: LeaseError, attempt: int, remaining: float, rand: float) -> float | None:
+    """The pause before retrying a ``complete`` refused with ``error`` (None: give up),
+    as ``acquire`` waits out an outage; said in a WARNING."""
+    delay = acquire_delay(attempt, error.retry_after or 0, remaining, rand, held=False)
+    if delay is not None:
+        log.warning(
+            "storing the result failed (%s: %s); retrying in %.1f s",
+            error.status,
+            error.error,
+            delay,
+        )
+    return delay
+
+
+NOT_OWNED = (
+    "The work on this key was completed before this lease was entered: "
+    "it holds no fencing token and must not write"
+)
