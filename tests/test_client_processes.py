@@ -155,6 +155,13 @@ def test_the_lifecycle_end_stops_the_command(tmp_path: Path) -> None:
     assert report["command"] == "stopped with SIGTERM"
 
 
+#: ``run`` started as a shell starts a job: in a process group of its own, whose parent
+#: (pytest) is in another group of the same session. Otherwise, under a pytest whose
+#: group is orphaned (``setsid make test``, cron), the kernel discards the SIGTSTP that
+#: ``run`` raises on itself, as it must for a group no shell could continue.
+AS_A_JOB: dict[str, Any] = {"process_group": 0}
+
+
 def process_state(pid: int) -> str:
     """The state letter in ``/proc/PID/stat`` (``T``: stopped)."""
     stat = Path(f"/proc/{pid}/stat").read_text()
@@ -181,7 +188,7 @@ def test_ctrl_z_stops_the_command_with_run(server: str, tmp_path: Path) -> None:
         [LEASEKEEPER, "run", "--key", "paused", "--ttl", "2", "--grace", "1", "--",
          "sh", "-c", f"trap 'echo term >> {ticks}; stopping=1' TERM; "
                      f"while :; do [ -z \"$stopping\" ] && echo tick >> {ticks}; sleep 0.05; done"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **AS_A_JOB,
     )  # fmt: skip
     try:
         until(ticks.exists)
@@ -203,6 +210,7 @@ def test_ctrl_z_stops_the_command_with_run(server: str, tmp_path: Path) -> None:
     finally:
         if run.poll() is None:
             run.kill()
+            run.communicate()  # reaped, its pipes closed
     assert run.returncode == 11, err
     report = orjson.loads(err.splitlines()[-1])
     assert report["status"] == "lost"
@@ -224,7 +232,7 @@ def test_a_command_stopping_after_the_loss_gets_no_second_sigterm(
         [LEASEKEEPER, "run", "--key", "once", "--ttl", "2", "--grace", "4", "--",
          "sh", "-c", f"trap 'echo term >> {ticks}' TERM; echo ready >> {ticks}; "
                      "while :; do sleep 0.05; done"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **AS_A_JOB,
     )  # fmt: skip
     try:
         until(ticks.exists)
@@ -242,6 +250,7 @@ def test_a_command_stopping_after_the_loss_gets_no_second_sigterm(
     finally:
         if run.poll() is None:
             run.kill()
+            run.communicate()  # reaped, its pipes closed
     assert run.returncode == 11, err
     assert orjson.loads(err.splitlines()[-1])["command"] == (
         "killed with SIGKILL after the grace period"
