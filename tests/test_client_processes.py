@@ -155,13 +155,6 @@ def test_the_lifecycle_end_stops_the_command(tmp_path: Path) -> None:
     assert report["command"] == "stopped with SIGTERM"
 
 
-#: ``run`` started as a shell starts a job: in a process group of its own, whose parent
-#: (pytest) is in another group of the same session. Otherwise, under a pytest whose
-#: group is orphaned (``setsid make test``, cron), the kernel discards the SIGTSTP that
-#: ``run`` raises on itself, as it must for a group no shell could continue.
-AS_A_JOB: dict[str, Any] = {"process_group": 0}
-
-
 def process_state(pid: int) -> str:
     """The state letter in ``/proc/PID/stat`` (``T``: stopped)."""
     stat = Path(f"/proc/{pid}/stat").read_text()
@@ -175,6 +168,32 @@ def until(condition: Any, within: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+@contextlib.contextmanager
+def run_as_a_job(
+    argv: list[str], env: dict[str, str], started: Path
+) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """``leasekeeper run ARGV``, once its command has made ``started``: the process and its
+    command's pid. Killed and reaped on the way out if it still runs.
+
+    It is started as a shell starts a job: in a process group of its own, whose parent
+    (pytest) is in another group of the same session. Otherwise, under a pytest whose
+    group is orphaned (``setsid make test``, cron), the kernel would discard the SIGTSTP
+    that ``run`` raises on itself, as it must for a group no shell could continue."""
+    run = subprocess.Popen(
+        [LEASEKEEPER, "run", *argv],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0,
+    )  # fmt: skip
+    try:
+        until(started.exists)
+        (command,) = (int(pid) for pid in Path(f"/proc/{run.pid}/task/{run.pid}/children")
+                      .read_text().split())  # fmt: skip
+        yield run, command
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()  # reaped, its pipes closed
+
+
 def test_ctrl_z_stops_the_command_with_run(server: str, tmp_path: Path) -> None:
     """SIGTSTP to ``run`` stops the command too, so that no command works on while its
     renewals are stopped; SIGCONT continues it while the lease is held, and once the
@@ -184,16 +203,12 @@ def test_ctrl_z_stops_the_command_with_run(server: str, tmp_path: Path) -> None:
     does) gets SIGKILL --grace seconds after it, not a second SIGTERM from the loss."""
     env = cli_env(server, LEASEKEEPER_NAMESPACE=mint(server))
     ticks = tmp_path / "ticks"
-    run = subprocess.Popen(
-        [LEASEKEEPER, "run", "--key", "paused", "--ttl", "2", "--grace", "1", "--",
-         "sh", "-c", f"trap 'echo term >> {ticks}; stopping=1' TERM; "
-                     f"while :; do [ -z \"$stopping\" ] && echo tick >> {ticks}; sleep 0.05; done"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **AS_A_JOB,
-    )  # fmt: skip
-    try:
-        until(ticks.exists)
-        (command,) = (int(pid) for pid in Path(f"/proc/{run.pid}/task/{run.pid}/children")
-                      .read_text().split())  # fmt: skip
+    script = (
+        f"trap 'echo term >> {ticks}; stopping=1' TERM; "
+        f'while :; do [ -z "$stopping" ] && echo tick >> {ticks}; sleep 0.05; done'
+    )
+    argv = ["--key", "paused", "--ttl", "2", "--grace", "1", "--", "sh", "-c", script]
+    with run_as_a_job(argv, env, ticks) as (run, command):
         os.kill(run.pid, signal.SIGTSTP)
         until(lambda: process_state(run.pid) == "T" and process_state(command) == "T")
         os.kill(run.pid, signal.SIGCONT)  # at once: the lease is still held
@@ -207,10 +222,6 @@ def test_ctrl_z_stops_the_command_with_run(server: str, tmp_path: Path) -> None:
         assert len(ticks.read_text().splitlines()) == stopped_at
         os.kill(run.pid, signal.SIGCONT)
         _, err = run.communicate(timeout=30)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.communicate()  # reaped, its pipes closed
     assert run.returncode == 11, err
     report = orjson.loads(err.splitlines()[-1])
     assert report["status"] == "lost"
@@ -228,16 +239,10 @@ def test_a_command_stopping_after_the_loss_gets_no_second_sigterm(
     the command gets SIGKILL --grace seconds after the first."""
     env = cli_env(server, LEASEKEEPER_NAMESPACE=mint(server))
     ticks = tmp_path / "ticks"
-    run = subprocess.Popen(
-        [LEASEKEEPER, "run", "--key", "once", "--ttl", "2", "--grace", "4", "--",
-         "sh", "-c", f"trap 'echo term >> {ticks}' TERM; echo ready >> {ticks}; "
-                     "while :; do sleep 0.05; done"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **AS_A_JOB,
-    )  # fmt: skip
-    try:
-        until(ticks.exists)
-        (command,) = (int(pid) for pid in Path(f"/proc/{run.pid}/task/{run.pid}/children")
-                      .read_text().split())  # fmt: skip
+    argv = ["--key", "once", "--ttl", "2", "--grace", "4", "--",
+            "sh", "-c", f"trap 'echo term >> {ticks}' TERM; echo ready >> {ticks}; "
+                        "while :; do sleep 0.05; done"]  # fmt: skip
+    with run_as_a_job(argv, env, ticks) as (run, command):
         os.kill(run.pid, signal.SIGSTOP)  # run alone: its renewals stop, the command works on
         until(lambda: process_state(run.pid) == "T")
         time.sleep(2.5)  # real processes: the 2 s lease expires
@@ -247,10 +252,6 @@ def test_a_command_stopping_after_the_loss_gets_no_second_sigterm(
         until(lambda: process_state(run.pid) == "T" and process_state(command) == "T")
         os.kill(run.pid, signal.SIGCONT)
         _, err = run.communicate(timeout=30)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.communicate()  # reaped, its pipes closed
     assert run.returncode == 11, err
     assert orjson.loads(err.splitlines()[-1])["command"] == (
         "killed with SIGKILL after the grace period"
