@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -688,3 +689,37 @@ def test_a_store_that_cannot_be_opened_is_said_in_one_line(
     ]
     assert len(errors) == 1, errors
     assert errors[0].startswith("Cannot open the ") and why.format(tmp=tmp_path) in errors[0]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_while_the_store_is_being_opened_is_not_kept_waiting(
+    tmp_path: Path, signum: int
+) -> None:
+    """SIGTERM or SIGINT while ``serve`` waits for a store that does not answer (here up
+    to 60 s) stops it then, with a WARNING and exit 3, not once the store timeout ends."""
+    log = tmp_path / "serve.log"
+    env = {
+        **os.environ,
+        "LEASEKEEPER_STORE": "postgresql://postgres@127.0.0.1:9/leasekeeper",  # none listens
+        "LEASEKEEPER_STORE_TIMEOUT_SECONDS": "60",
+    }
+    with log.open("wb") as sink:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "leasekeeper.cli", "serve", "--port", str(free_port())],
+            env=env, stdout=sink, stderr=sink,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while b"error connecting" not in log.read_bytes():  # the store is being opened
+            assert time.monotonic() < deadline and server.poll() is None, log.read_text()
+            time.sleep(0.05)
+        server.send_signal(signum)
+        assert server.wait(timeout=30) == 3  # well before the 60 s store timeout
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    stopped = [r for r in records if r["message"] == "stopped while the store was being opened"]
+    assert [r["level"] for r in stopped] == ["WARNING"]
+    assert "Traceback" not in log.read_text()

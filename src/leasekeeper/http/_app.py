@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import logging
 import random
+import signal
+import threading
 import time
 import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Mapping
@@ -180,11 +182,15 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         try:
-            await service.start()
+            opened = await _unless_stopped(service.start())
         except LeaseError as error:  # a store that cannot be opened: said in one line
             log.error("%s", error.error)
             app.state.start_refused = True  # LeaseApp keeps uvicorn from adding a traceback
             raise
+        if not opened:  # asked to stop while the store was being opened: as asked
+            log.warning("stopped while the store was being opened")
+            app.state.start_refused = True
+            raise ServiceUnavailable("Stopped while the store was being opened")
         tasks = []
         if run_cleanup:
             tasks.append(asyncio.create_task(cleanup_loop()))
@@ -242,6 +248,39 @@ _ROUTE_NAMES = {
     "/openapi.json": "openapi",
     "/docs": "docs",
 }
+
+
+async def _unless_stopped(opening: Awaitable[None]) -> bool:
+    """Await ``opening`` (the store's, which may wait out the store timeout), unless
+    SIGINT or SIGTERM comes first (False): the server acts on them only once started,
+    so a stop asked for meanwhile would wait for the store. Either signal also goes on
+    to the handler it had (uvicorn's, which then stops the server)."""
+    task = asyncio.ensure_future(opening)
+    if threading.current_thread() is not threading.main_thread():
+        await task  # signal handlers are the main thread's alone
+        return True
+    loop = asyncio.get_running_loop()
+    stopped: list[int] = []
+    previous: dict[int, Any] = {}
+
+    def stop(signum: int, frame: types.FrameType | None) -> None:
+        stopped.append(signum)
+        loop.call_soon_threadsafe(task.cancel)
+        if callable(chained := previous[signum]):
+            chained(signum, frame)
+
+    for handled in (signal.SIGINT, signal.SIGTERM):
+        previous[handled] = signal.signal(handled, stop)
+    try:
+        await task
+    except asyncio.CancelledError:
+        if not stopped or not task.cancelled():
+            raise
+        return False
+    finally:
+        for handled_signal, handler in previous.items():
+            signal.signal(handled_signal, handler)
+    return True
 
 
 class ClientGone(Exception):
