@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,7 +30,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from leasekeeper import LeaseService, Settings
 from leasekeeper.http import create_app
 from leasekeeper.http._app import _larger_than
-from leasekeeper.http._protocol import guard_protocol
+from leasekeeper.http._protocol import MAX_PIPELINED, guard_protocol
 from leasekeeper.store import MemoryStore
 from tests._server import Server, free_port, running_server
 from tests.conftest import FakeMonotonic, metric
@@ -620,3 +621,92 @@ def test_the_h11_protocol_serves_an_offer_with_its_body_too() -> None:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+# -- pipelining: requests sent ahead of their answers ------------------------------------------
+
+
+def responses_in(data: bytes) -> list[int]:
+    """The status codes of the HTTP responses in ``data`` (JSON bodies with a length)."""
+    statuses = []
+    while data:
+        head, _, data = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+        data = data[int(headers["content-length"]) :]
+        statuses.append(int(lines[0].split()[1]))
+    return statuses
+
+
+HEALTH = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.mark.slow
+def test_pipelined_requests_within_the_bound_are_all_answered(server: Server) -> None:
+    """Requests sent ahead of their answers, as many as may wait: every one is answered
+    in order, on a connection that stays open."""
+    sock = connect(server)
+    sock.sendall(HEALTH * MAX_PIPELINED + LAST)  # the first runs, the others wait
+    assert responses_in(read_until_closed(sock)) == [200] * (MAX_PIPELINED + 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "request_bytes",
+    [HEALTH, b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + H2C_OFFER + b"\r\n"],
+    ids=["plain", "h2c-offer"],
+)
+def test_a_pipeline_past_the_bound_is_cut_short_and_the_server_stays_well(
+    server: Server, request_bytes: bytes
+) -> None:
+    """Thousands of requests in one send, on several connections: each is answered for
+    the requests that may wait and then closed, the server neither grows nor logs a
+    traceback (uvicorn read on while requests waited: gigabytes from one connection; 1,000
+    pipelined h2c offers were a RecursionError), and a normal client is served."""
+    before = rss_kib(server)
+    burst = request_bytes * 4000
+    for _ in range(5):
+        sock = connect(server)
+        with contextlib.suppress(OSError):  # the server may close while we send
+            sock.sendall(burst)
+        statuses = responses_in(read_until_closed(sock))
+        assert statuses and set(statuses) == {200}
+        assert len(statuses) <= len(burst) // len(request_bytes) // 10, len(statuses)
+    assert rss_kib(server) - before < 50_000
+    assert httpx.get(f"{server.url}/healthz").status_code == 200
+    log = server.log.read_text()
+    assert "Traceback" not in log and "RecursionError" not in log
+
+
+@pytest.mark.slow
+def test_a_client_that_does_not_read_its_answers_is_dropped(server: Server) -> None:
+    """A client that sends requests on and on and never reads the answers: once the
+    answers fill the connection's buffers, the server gives it the request timeout to
+    take them, then drops the connection and what it could not send, rather than hold
+    the slot for as long as the client likes."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
+    request = b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n"
+    count = 5000
+
+    def send() -> None:
+        with contextlib.suppress(OSError):  # the server drops the connection meanwhile
+            sock.sendall(request * count)
+
+    threading.Thread(target=send, daemon=True).start()
+    time.sleep(TIMEOUT * 4)  # real time: the server's write deadline runs out
+    received = 0
+    sock.settimeout(5)
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            received += len(chunk)
+    sock.close()
+    whole = len(httpx.get(f"{server.url}/openapi.json").content) * count
+    assert received < whole / 10, (received, whole)
+
+
+def rss_kib(server: Server) -> int:
+    """The server process's resident memory, from /proc."""
+    status = Path(f"/proc/{server.process.pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0])

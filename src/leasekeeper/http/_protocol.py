@@ -14,7 +14,10 @@ uvicorn's HTTP protocol (the ``http=`` class uvicorn accepts) so that::
 
 headers not complete in time get a JSON ``408 timeout`` and the connection is
 closed. A request whose headers arrive in one packet (every normal client) never
-starts a timer. A head that has not ended within ``MAX_HEAD_BYTES`` gets a JSON
+starts a timer. A client that stops reading its answers gets as long to take them:
+once the connection's send buffer is full, it must drain within ``request_timeout``,
+or the connection is dropped (a client that never reads would otherwise hold its
+slot for ever). A head that has not ended within ``MAX_HEAD_BYTES`` gets a JSON
 ``431`` (status ``too_large``) and the connection is closed. Malformed HTTP gets a
 JSON ``400 invalid`` instead of uvicorn's plain text, so every answer is a JSON
 object.
@@ -22,7 +25,10 @@ object.
 On httptools, an offer to upgrade the connection that is not taken (``Upgrade:
 h2c``, which ``curl --http2``, Java's HttpClient and Ktor send on plain HTTP) is
 ignored, as RFC 9110 (section 7.8) lets a server do, and the request is served as
-HTTP/1.1 with its body (``_IgnoredUpgrade``).
+HTTP/1.1 with its body (``_IgnoredUpgrade``). And at most ``MAX_PIPELINED`` requests
+may wait their turn on one connection (``_BoundedPipeline``): uvicorn read on while
+pipelined requests waited, so one connection sending requests without reading the
+answers grew the server by gigabytes.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import orjson
 from leasekeeper._errors import HeadersTooLarge, InvalidRequest, LeaseError, RequestTimeout
 from leasekeeper.http._errors import status_code
 
-__all__ = ["MAX_HEAD_BYTES", "guard_protocol", "raw_error_response"]
+__all__ = ["MAX_HEAD_BYTES", "MAX_PIPELINED", "guard_protocol", "raw_error_response"]
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 #: Bytes of a request's head (request line and headers) past which, while the head
@@ -45,6 +51,10 @@ _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header 
 #: uvicorn kept every header, so one connection sending endless headers grew the
 #: server by hundreds of MB.
 MAX_HEAD_BYTES = 65_536
+#: Requests that may wait on one connection while an earlier one is answered (HTTP/1.1
+#: pipelining). Past it, none of the waiting ones is run, and the connection is closed
+#: once the running one is answered: every answered request ran, no unanswered one did.
+MAX_PIPELINED = 32
 
 
 def raw_error_response(error: LeaseError) -> bytes:
@@ -84,6 +94,8 @@ class _SlowClientGuard:
     transport: asyncio.Transport
     cycle: Any
     _lk_timer: asyncio.TimerHandle | None = None
+    #: Set while the send buffer is full: the client must take its answers by then.
+    _lk_write_timer: asyncio.TimerHandle | None = None
     #: Bytes received since the last request began, while its successor's head had not ended.
     _lk_head_bytes = 0
 
@@ -108,7 +120,27 @@ class _SlowClientGuard:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lk_disarm()
+        if self._lk_write_timer is not None:
+            self._lk_write_timer.cancel()
+            self._lk_write_timer = None
         super().connection_lost(exc)  # type: ignore[misc]
+
+    def pause_writing(self) -> None:
+        super().pause_writing()  # type: ignore[misc]
+        if self._lk_write_timer is None:
+            self._lk_write_timer = self.loop.call_later(self.request_timeout, self._lk_drop)
+
+    def resume_writing(self) -> None:
+        if self._lk_write_timer is not None:
+            self._lk_write_timer.cancel()
+            self._lk_write_timer = None
+        super().resume_writing()  # type: ignore[misc]
+
+    def _lk_drop(self) -> None:
+        """The client took none of its answers in time: drop the connection and what
+        it was not sent (``close`` would wait for the client to read it)."""
+        self._lk_write_timer = None
+        self.transport.abort()
 
     def send_400_response(self, msg: str) -> None:
         self.transport.write(_MALFORMED)
@@ -159,24 +191,31 @@ class _IgnoredUpgrade:
     logger: Any
 
     def data_received(self, data: bytes) -> None:
-        # uvicorn's own, except for an upgrade it does not take (_lk_ignore_upgrade).
+        # uvicorn's own, except for an upgrade it does not take (_lk_ignore_upgrade),
+        # in a loop: one read may hold many requests that each offer one.
         self._unset_keepalive_if_required()  # type: ignore[attr-defined]
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            self.logger.warning("Invalid HTTP request received.")
-            self.send_400_response("Invalid HTTP request received.")  # type: ignore[attr-defined]
-        except httptools.HttpParserUpgrade as upgrade:
-            if self._should_upgrade():  # type: ignore[attr-defined]
-                self.handle_websocket_upgrade()  # type: ignore[attr-defined]
-            elif self.scope["method"] == "CONNECT":  # what follows is a tunnel's, not a body
-                self.logger.warning("Unsupported upgrade request.")
-            else:
-                self._lk_ignore_upgrade(data[upgrade.args[0] :])
+        unread = memoryview(data)
+        while unread:
+            try:
+                self.parser.feed_data(unread)
+            except httptools.HttpParserError:
+                self.logger.warning("Invalid HTTP request received.")
+                self.send_400_response("Invalid HTTP request received.")  # type: ignore[attr-defined]
+            except httptools.HttpParserUpgrade as upgrade:
+                if self._should_upgrade():  # type: ignore[attr-defined]
+                    self.handle_websocket_upgrade()  # type: ignore[attr-defined]
+                elif self.scope["method"] == "CONNECT":  # what follows is a tunnel's, not a body
+                    self.logger.warning("Unsupported upgrade request.")
+                else:
+                    self._lk_ignore_upgrade()
+                    unread = unread[upgrade.args[0] :]  # the rest of that request, and on
+                    continue
+            return
 
-    def _lk_ignore_upgrade(self, after_head: bytes) -> None:
-        """Parse ``after_head`` (the bytes after the head of the request that offered
-        the upgrade) as the rest of that request, and whatever follows it."""
+    def _lk_ignore_upgrade(self) -> None:
+        """Give a new parser the head of the request that offered the upgrade, without
+        the offer, so that the bytes after that head are parsed as the rest of the
+        request, and whatever follows it."""
         head = [self.scope["method"].encode("ascii"), b" ", self.url]
         head += [b" HTTP/", self.scope["http_version"].encode("ascii"), b"\r\n"]
         for name, value in self.headers:
@@ -190,7 +229,44 @@ class _IgnoredUpgrade:
         self.cycle.more_body = True
         self.cycle.message_event.clear()
         self.parser = httptools.HttpRequestParser(_AfterReplayedHead(self))
-        _IgnoredUpgrade.data_received(self, b"".join(head) + after_head)
+        self.parser.feed_data(b"".join(head))  # no offer in it: never raises an upgrade
+
+
+class _BoundedPipeline:
+    """Mixed in before uvicorn's httptools protocol: at most ``MAX_PIPELINED`` requests
+    wait their turn on a connection (see the module docstring).
+
+    uvicorn pauses reading when a request has to wait, but parses the rest of the
+    read it is in, and reads on after every answer while requests still wait: a
+    client that sends requests faster than it reads answers made the queue, and the
+    server, grow without bound (3 GB in 20 s from one connection). Here reading
+    resumes only once no request waits. A request past ``MAX_PIPELINED`` waiting
+    ones is dropped unrun, as is every one after it: the waiting ones are answered,
+    and then the connection is closed.
+    """
+
+    # uvicorn's HttpToolsProtocol's.
+    pipeline: Any
+    flow: Any
+    transport: asyncio.Transport
+    #: A request was dropped: none after it runs, and the connection closes once the
+    #: requests already waiting are answered.
+    _lk_overflowed = False
+
+    def on_headers_complete(self) -> None:
+        waiting = len(self.pipeline)
+        super().on_headers_complete()  # type: ignore[misc]
+        if len(self.pipeline) > waiting and (self._lk_overflowed or waiting >= MAX_PIPELINED):
+            self._lk_overflowed = True
+            self.pipeline.popleft()  # this one (uvicorn adds on the left): never run
+
+    def on_response_complete(self) -> None:
+        if self._lk_overflowed and not self.pipeline:
+            self.transport.close()  # after the answers already written
+            return
+        super().on_response_complete()  # type: ignore[misc]
+        if (self.pipeline or self._lk_overflowed) and not self.transport.is_closing():
+            self.flow.pause_reading()  # uvicorn resumed: not while requests still wait
 
 
 class _AfterReplayedHead:
@@ -235,11 +311,12 @@ def guard_protocol(
     on_timeout: Callable[[], None] | None = None,
 ) -> type[asyncio.Protocol]:
     """``base`` (uvicorn's httptools or h11 protocol) with the slow-client guard, and on
-    httptools with upgrade offers ignored (h11 ignores them itself)."""
+    httptools with upgrade offers ignored and the pipeline bounded (h11 does both
+    itself: it ignores offers, and parses no request before the last is answered)."""
     hook = staticmethod(on_timeout) if on_timeout is not None else None
     namespace = {"request_timeout": request_timeout, "on_timeout": hook}
     mixins: tuple[type, ...] = (_SlowClientGuard,)
     if hasattr(base, "on_headers_complete"):  # httptools' callbacks: uvicorn's httptools protocol
-        mixins += (_IgnoredUpgrade,)
+        mixins += (_IgnoredUpgrade, _BoundedPipeline)
     guarded: type[asyncio.Protocol] = type(f"Guarded{base.__name__}", (*mixins, base), namespace)
     return guarded
