@@ -28,6 +28,7 @@ from starlette.testclient import TestClient
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from leasekeeper import LeaseService, Settings
+from leasekeeper._limits import RateLimiter
 from leasekeeper.http import create_app
 from leasekeeper.http._app import _larger_than
 from leasekeeper.http._protocol import MAX_PIPELINED, guard_protocol
@@ -710,3 +711,16 @@ def rss_kib(server: Server) -> int:
     """The server process's resident memory, from /proc."""
     status = Path(f"/proc/{server.process.pid}/status").read_text()
     return int(status.split("VmRSS:")[1].split()[0])
+
+
+def test_the_rate_limiter_forgets_the_least_recently_seen_key_first() -> None:
+    """Past ``max_keys`` keys the one seen longest ago is forgotten (its bucket starts
+    full again); a key seen lately keeps its empty bucket."""
+    now = FakeMonotonic()
+    limiter = RateLimiter(1, 1, monotonic=now, max_keys=3)
+    for key in ("a", "b", "c"):
+        assert limiter.take(key) is None  # each spends its one token
+    assert limiter.take("a") == 1  # "a" seen again: now the most recent
+    assert limiter.take("d") is None  # a fourth key: "b", the least recent, is forgotten
+    assert limiter.take("a") == 1 and limiter.take("c") == 1
+    assert limiter.take("b") is None  # forgotten: a full bucket again
