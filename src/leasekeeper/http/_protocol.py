@@ -52,8 +52,8 @@ _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header 
 #: server by hundreds of MB.
 MAX_HEAD_BYTES = 65_536
 #: Requests that may wait on one connection while an earlier one is answered (HTTP/1.1
-#: pipelining). Past it, none of the waiting ones is run, and the connection is closed
-#: once the running one is answered: every answered request ran, no unanswered one did.
+#: pipelining). A request past them, and every later one, is not run; those waiting are
+#: answered, then the connection is closed: every answered request ran, no other did.
 MAX_PIPELINED = 32
 
 
