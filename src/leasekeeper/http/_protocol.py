@@ -34,6 +34,7 @@ answers grew the server by gigabytes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -229,12 +230,16 @@ class _IgnoredUpgrade:
         self.cycle.more_body = True
         self.cycle.message_event.clear()
         self.parser = httptools.HttpRequestParser(_AfterReplayedHead(self))
+        # As uvicorn's own parser: a request after one that asks to close the
+        # connection is not an error (it is answered after the earlier ones, unrun).
+        with contextlib.suppress(AttributeError):  # httptools < 0.6.3
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
         self.parser.feed_data(b"".join(head))  # no offer in it: never raises an upgrade
 
 
 class _BoundedPipeline:
-    """Mixed in before uvicorn's httptools protocol: at most ``MAX_PIPELINED`` requests
-    wait their turn on a connection (see the module docstring).
+    """Mixed in first on uvicorn's httptools protocol: at most ``MAX_PIPELINED``
+    requests wait their turn on a connection (see the module docstring).
 
     uvicorn pauses reading when a request has to wait, but parses the rest of the
     read it is in, and reads on after every answer while requests still wait: a
@@ -242,16 +247,42 @@ class _BoundedPipeline:
     server, grow without bound (3 GB in 20 s from one connection). Here reading
     resumes only once no request waits. A request past ``MAX_PIPELINED`` waiting
     ones is dropped unrun, as is every one after it: the waiting ones are answered,
-    and then the connection is closed.
+    and then the connection is ended without a reset (``_lk_linger``).
+
+    It also remembers the request that runs: when the connection is lost, uvicorn
+    tells only the request parsed last, so one still running behind waiting ones
+    wrote its answer to the closed connection (a traceback in the log per such
+    connection).
     """
 
     # uvicorn's HttpToolsProtocol's.
     pipeline: Any
     flow: Any
+    loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
-    #: A request was dropped: none after it runs, and the connection closes once the
+    request_timeout: float
+    #: A request was dropped: none after it runs, and the connection ends once the
     #: requests already waiting are answered.
     _lk_overflowed = False
+    #: The answers are all sent: what the client sends now is read and dropped.
+    _lk_lingering = False
+    #: The request whose application runs (uvicorn keeps only the last parsed).
+    _lk_running: Any = None
+
+    def data_received(self, data: bytes) -> None:
+        if not self._lk_lingering:
+            super().data_received(data)  # type: ignore[misc]
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        self._lk_running = cycle
+        super()._start_asgi_task(cycle, app)  # type: ignore[misc]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        running = self._lk_running
+        if running is not None and not running.response_complete:
+            running.disconnected = True  # its answer is not written to a closed connection
+            running.message_event.set()
+        super().connection_lost(exc)  # type: ignore[misc]
 
     def on_headers_complete(self) -> None:
         waiting = len(self.pipeline)
@@ -262,11 +293,31 @@ class _BoundedPipeline:
 
     def on_response_complete(self) -> None:
         if self._lk_overflowed and not self.pipeline:
-            self.transport.close()  # after the answers already written
+            self._lk_linger()
             return
         super().on_response_complete()  # type: ignore[misc]
         if (self.pipeline or self._lk_overflowed) and not self.transport.is_closing():
             self.flow.pause_reading()  # uvicorn resumed: not while requests still wait
+
+    def _lk_linger(self) -> None:
+        """End the connection after the answers already written, without a reset.
+
+        Closing a socket with unread input makes the kernel reset the connection and
+        throw away the answers not yet delivered. So the server ends its side
+        (``write_eof``: the answers, then end of stream), reads and drops what the
+        client still sends, and closes when the client does, or after the request
+        timeout.
+        """
+        if self.transport.is_closing():
+            return
+        self._lk_lingering = True
+        self._lk_disarm()  # type: ignore[attr-defined]  # no 408 after the end of stream
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self.flow.resume_reading()
+        self.loop.call_later(self.request_timeout, self.transport.close)
 
 
 class _AfterReplayedHead:
@@ -317,6 +368,6 @@ def guard_protocol(
     namespace = {"request_timeout": request_timeout, "on_timeout": hook}
     mixins: tuple[type, ...] = (_SlowClientGuard,)
     if hasattr(base, "on_headers_complete"):  # httptools' callbacks: uvicorn's httptools protocol
-        mixins += (_IgnoredUpgrade, _BoundedPipeline)
+        mixins = (_BoundedPipeline, *mixins, _IgnoredUpgrade)
     guarded: type[asyncio.Protocol] = type(f"Guarded{base.__name__}", (*mixins, base), namespace)
     return guarded
