@@ -782,3 +782,19 @@ def acquire(ns: str, key: str, extra: bytes = b"") -> bytes:
         b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\n" + extra
         + b"Content-Length: %d\r\n\r\n" % len(payload) + payload
     )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_request_that_closes_the_connection_mid_pipeline_keeps_the_answers(
+    server: Server,
+) -> None:
+    """Requests up to one that asks to close the connection, and one more in a later
+    read: every answer up to the closing one arrives, then an end of stream, not a reset
+    (uvicorn closed with the later request unread, and the reset lost the answers)."""
+    sock = connect(server)
+    sock.sendall(b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n" * 20 + LAST)
+    time.sleep(0.05)
+    sock.sendall(HEALTH)
+    time.sleep(0.3)
+    data, reset = read_to_the_end(sock)
+    assert responses_in(data) == [200] * 21 and not reset

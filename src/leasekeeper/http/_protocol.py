@@ -249,7 +249,8 @@ class _BoundedPipeline:
     ones is dropped unrun, as is every one after it: the waiting ones are answered,
     and then the connection is ended without a reset (``_lk_linger``).
 
-    It also remembers the request that runs: when the connection is lost, uvicorn
+    A request that asks to close the connection ends it the same way, after its
+    answer. It also remembers the request that runs: when the connection is lost, uvicorn
     tells only the request parsed last, so one still running behind waiting ones
     wrote its answer to the closed connection (a traceback in the log per such
     connection).
@@ -258,6 +259,7 @@ class _BoundedPipeline:
     # uvicorn's HttpToolsProtocol's.
     pipeline: Any
     flow: Any
+    cycle: Any
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
     request_timeout: float
@@ -290,8 +292,15 @@ class _BoundedPipeline:
         if len(self.pipeline) > waiting and (self._lk_overflowed or waiting >= MAX_PIPELINED):
             self._lk_overflowed = True
             self.pipeline.popleft()  # this one (uvicorn adds on the left): never run
+        cycle = self.cycle
+        if cycle is not None and not cycle.keep_alive and cycle.transport is self.transport:
+            # It asks to close the connection (HTTP/1.0, Connection: close): uvicorn
+            # closes once it is answered, maybe with later requests unread.
+            cycle.transport = _LingeringClose(self)
 
     def on_response_complete(self) -> None:
+        if self._lk_lingering:  # the connection is ending: nothing more runs
+            return
         if self._lk_overflowed and not self.pipeline:
             self._lk_linger()
             return
@@ -318,6 +327,19 @@ class _BoundedPipeline:
         self.transport.write_eof()
         self.flow.resume_reading()
         self.loop.call_later(self.request_timeout, self.transport.close)
+
+
+class _LingeringClose:
+    """The transport a request that asks to close the connection writes its answer to:
+    its ``close`` is ``_BoundedPipeline._lk_linger``, so that requests sent after it,
+    unread, do not make the kernel reset the connection and lose that answer."""
+
+    __slots__ = ("close", "is_closing", "write")
+
+    def __init__(self, protocol: Any) -> None:
+        self.write = protocol.transport.write
+        self.is_closing = protocol.transport.is_closing
+        self.close = protocol._lk_linger
 
 
 class _AfterReplayedHead:
