@@ -250,9 +250,9 @@ class _BoundedPipeline:
     and then the connection is ended without a reset (``_lk_linger``).
 
     A request that asks to close the connection ends it the same way, after its
-    answer. It also remembers the request that runs: when the connection is lost, uvicorn
-    tells only the request parsed last, so one still running behind waiting ones
-    wrote its answer to the closed connection (a traceback in the log per such
+    answer. And it remembers the request that runs: when the connection is lost,
+    uvicorn tells only the request parsed last, so one still running behind waiting
+    ones wrote its answer to the closed connection (a traceback in the log per such
     connection).
     """
 
@@ -317,7 +317,7 @@ class _BoundedPipeline:
         client still sends, and closes when the client does, or after the request
         timeout.
         """
-        if self.transport.is_closing():
+        if self._lk_lingering or self.transport.is_closing():
             return
         self._lk_lingering = True
         self._lk_disarm()  # type: ignore[attr-defined]  # no 408 after the end of stream
