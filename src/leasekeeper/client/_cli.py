@@ -50,7 +50,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from leasekeeper._core.validation import MAX_TTL_SECONDS
+from leasekeeper._core.validation import DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
 from leasekeeper._errors import (
     FingerprintConflict,
     LeaseError,
@@ -411,6 +411,16 @@ def _progress_option(function: F) -> F:
     )(function)
 
 
+def _ttl_option(function: F) -> F:
+    """``--ttl`` for acquire and renew: absent, the service's default applies."""
+    return click.option(
+        "--ttl",
+        type=click.IntRange(1, MAX_TTL_SECONDS),
+        default=None,
+        help=f"Lease seconds [{DEFAULT_TTL_SECONDS}].",
+    )(function)
+
+
 # -- commands -----------------------------------------------------------------------------------
 
 
@@ -430,9 +440,7 @@ def namespace_command(**options: Any) -> None:
 @_connection_options
 @_key_options
 @_fingerprint_options
-@click.option(
-    "--ttl", type=click.IntRange(1, MAX_TTL_SECONDS), default=None, help="Lease seconds [60]."
-)
+@_ttl_option
 @click.option(
     "--wait",
     type=_Seconds(min=0),
@@ -471,9 +479,7 @@ def acquire_command(**options: Any) -> None:
 @_connection_options
 @_key_options
 @_owner_token_options
-@click.option(
-    "--ttl", type=click.IntRange(1, MAX_TTL_SECONDS), default=None, help="Lease seconds [60]."
-)
+@_ttl_option
 def renew_command(**options: Any) -> None:
     """Move the lease's expiry (owner token from LEASEKEEPER_OWNER_TOKEN or a file)."""
     target = _target(options)
