@@ -223,8 +223,8 @@ def create_app(
         **_ROUTE_NAMES,
         **{route.path: route.name for route in extra_routes or [] if isinstance(route, Route)},
     }
-    app.state.route_names = names
-    return LeaseApp(app, metrics, settings.max_connections, direct, names)
+    app.state.route_names = names  # for LeaseApp, and for the unexpected-error log line
+    return LeaseApp(app, metrics, settings.max_connections, direct)
 
 
 #: Lease route path -> operation (a key of ``LeaseService``'s ``OPERATIONS``).
@@ -535,7 +535,6 @@ class LeaseApp:
         metrics: Metrics,
         max_in_flight: int,
         lease_routes: dict[str, LeaseEndpoint] | None = None,
-        route_names: Mapping[str, str] | None = None,
     ) -> None:
         self.app = app
         self.state = app.state
@@ -544,7 +543,7 @@ class LeaseApp:
         self.max_in_flight = max_in_flight
         self.in_flight = 0
         self.lease_routes = lease_routes or {}
-        self.route_names = route_names or _ROUTE_NAMES
+        self.route_names: Mapping[str, str] = getattr(app.state, "route_names", _ROUTE_NAMES)
         metrics.in_flight.set_function(lambda: self.in_flight)
         self._busy = error_parts(
             ServiceUnavailable("The server is at its connection limit; retry shortly")
