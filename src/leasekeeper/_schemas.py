@@ -12,7 +12,6 @@ rule; the value itself is never repeated.
 from __future__ import annotations
 
 import functools
-import re
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -43,8 +42,6 @@ FIELD_RULES: dict[str, str] = {
     "owner_token": "must be own_ followed by 43 base64url characters, as returned by acquire",
     "result": "is required and may be any JSON value",
 }
-
-_SAFE_NAME = re.compile(r"[A-Za-z0-9_]{1,40}\Z")
 
 TTL = Annotated[int, Field(ge=1, le=MAX_TTL_SECONDS, description="Lease length in seconds")]
 
@@ -148,18 +145,17 @@ def parse_body(model: type[B], data: dict[str, Any]) -> B:
         body: B = model.__pydantic_validator__.validate_python(data)
         return body
     except ValidationError as exc:
-        raise InvalidRequest(_describe(exc)) from None
+        raise InvalidRequest(_describe(exc, model)) from None
 
 
-def _describe(exc: ValidationError) -> str:
+def _describe(exc: ValidationError, model: type[_Body]) -> str:
     problems: list[str] = []
     for error in exc.errors(include_input=False, include_url=False):
         loc = error["loc"]
         field = str(loc[0]) if loc else "body"
         kind = error["type"]
         if kind == "extra_forbidden":
-            name = f'"{field}"' if _SAFE_NAME.match(field) else "with an unusual name"
-            problems.append(f"Unknown field {name}")
+            problems.append(_unknown_field(field, model))
         elif kind == "missing":
             problems.append(f"Missing field {field}: {FIELD_RULES.get(field, 'is required')}")
         elif kind == "model_type" or kind == "model_attributes_type":
@@ -167,3 +163,14 @@ def _describe(exc: ValidationError) -> str:
         else:
             problems.append(f"Invalid {field}: {FIELD_RULES.get(field, 'has the wrong type')}")
     return "; ".join(problems) if problems else "Invalid request"
+
+
+def _unknown_field(name: str, model: type[_Body]) -> str:
+    """The problem of an unknown field: named when it is one of the API's own field
+    names (sent to a route that does not take it), otherwise not repeated, since
+    any other name is the caller's input and may be a secret (a key or a token
+    sent as a field name); the fields the route takes are listed instead."""
+    if name in FIELD_RULES:
+        return f'Unknown field "{name}" for this request'
+    takes = ", ".join(model.model_fields)
+    return f"Unknown field (its name is not repeated); this request takes {takes or 'no fields'}"
