@@ -37,7 +37,7 @@ from leasekeeper import FakeClock, LeaseService, Settings
 from leasekeeper._core.validation import UTF8_BOM
 from leasekeeper.cli import serve_app
 from leasekeeper.http import create_app
-from leasekeeper.mcp import TOOL_OPERATIONS, create_mcp_server
+from leasekeeper.mcp import TOOL_OPERATIONS, create_mcp_server, quiet_sdk_logs
 from leasekeeper.store import MemoryStore
 from tests.conftest import FakeMonotonic
 
@@ -694,6 +694,25 @@ def test_mcp_route_limits_bodies_and_hosts(app_with_mcp: TestClient) -> None:
     assert untyped.status_code == 400
     assert untyped.json()["status"] == "invalid" and "Content-Type" in untyped.json()["error"]
     assert untyped.headers["content-type"] == "application/json"
+
+
+def test_refused_host_and_origin_values_are_not_logged(
+    app_with_mcp: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SDK's warning about a refused Host or Origin header says which header, without
+    its value (a client's text of any size), once quiet_sdk_logs has run."""
+    quiet_sdk_logs()
+    value = "ns_" + "Q" * 43
+    with caplog.at_level(logging.WARNING, logger="mcp"):
+        for header in ({"host": value}, {"origin": f"http://x/{value}"}):
+            refused = app_with_mcp.post(
+                "/mcp", json=_INITIALIZE, headers={**_MCP_HEADERS, **header}
+            )
+            assert refused.status_code in (400, 403, 421)
+    lines = [record.getMessage() for record in caplog.records]
+    assert "Invalid Host header (the value is not logged)" in lines
+    assert "Invalid Origin header (the value is not logged)" in lines
+    assert value not in caplog.text
 
 
 @pytest.mark.parametrize("era", ERAS)

@@ -1011,8 +1011,25 @@ async def _cleanup_every(service: LeaseService, seconds: float) -> None:
         log.info("cleanup deleted %d records whose lifecycle was over", deleted)
 
 
+class _ValuesOut(logging.Filter):
+    """Cuts a log line at its first colon: the SDK's DNS-rebinding check logs each
+    refused ``Host`` or ``Origin`` header whole, at WARNING ("Invalid Host header:
+    …"), a client's text of any size (64 KiB a line, as often as a client likes)
+    that leasekeeper's logs never hold. What is left says what was refused."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        head, colon, _ = record.getMessage().partition(":")
+        if colon:
+            record.msg, record.args = f"{head} (the value is not logged)", ()
+        return True
+
+
+_VALUES_OUT = _ValuesOut()
+
+
 def quiet_sdk_logs() -> None:
-    """Keep the MCP SDK's own loggers at WARNING or above.
+    """Keep the MCP SDK's own loggers at WARNING or above, and its refused header
+    values out of its WARNING lines (``_ValuesOut``).
 
     At DEBUG the SDK logs stray frames and parse errors with their content,
     which may hold tool arguments (namespaces, keys, owner tokens) that
@@ -1021,3 +1038,4 @@ def quiet_sdk_logs() -> None:
     """
     sdk = logging.getLogger("mcp")
     sdk.setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
+    logging.getLogger("mcp.server.transport_security").addFilter(_VALUES_OUT)
