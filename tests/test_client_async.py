@@ -289,6 +289,55 @@ def test_async_renewal_task_renews_for_real_and_is_cancelled_on_exit(
     run_app(scenario)
 
 
+def test_async_renewal_has_a_deadline_on_the_whole_request(
+    run_app: Callable[..., None], fake_time: FakeTime
+) -> None:
+    """A renewal whose answer does not come (a server answering a byte at a time: httpx
+    bounds each read, not the request) is abandoned at the client's timeout and tried
+    again; once the local expiry has passed meanwhile, the lease is reported lost."""
+
+    class Hanging(httpx.AsyncBaseTransport):
+        def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+            self.inner = inner
+            self.renewals = 0
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if not request.url.path.endswith("/renew"):
+                return await self.inner.handle_async_request(request)
+            self.renewals += 1
+            await self.inner.handle_async_request(request)  # renewed on the service
+            if self.renewals == 2:
+                fake_time.clock.advance(25)  # the expiry passes while the answer is awaited
+            await asyncio.Event().wait()  # and the answer never comes
+            raise AssertionError("unreachable")
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        hanging = Hanging(transport)
+        client = AsyncLeaseClient(
+            BASE_URL,
+            transport=hanging,
+            timeout=0.05,
+            monotonic=fake_time.monotonic,
+            signal_factory=fake_time.signal,
+            task_factory=manual_task,
+            random=lambda: 0.0,
+        )
+        async with client:
+            namespace = await client.create_namespace()
+            async with client.lease(namespace, KEY, ttl=30) as lease:
+                worker = worker_of(lease)
+                assert await worker.step()  # abandoned, to be tried again
+                assert worker.plan.failures == 1
+                assert not lease.lost.is_set()
+                assert not await worker.step()  # abandoned past the expiry
+                assert lease.lost.is_set()
+                assert lease.lost_error is not None
+                assert "still waiting for its answer" in lease.lost_error.error
+        assert hanging.renewals == 2
+
+    run_app(scenario)
+
+
 def test_async_once_runs_once_across_tasks(run_app: Callable[..., None]) -> None:
     """Concurrent tasks calling an async once function: one runs it, all get the result."""
 

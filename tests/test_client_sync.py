@@ -604,6 +604,69 @@ def test_unavailability_until_the_expiry_marks_the_lease_lost(
     assert any(r.levelno == logging.WARNING and "lease lost" in r.message for r in caplog.records)
 
 
+def test_a_renewal_unanswered_by_the_expiry_marks_the_lease_lost_then(
+    api: Any, fake_time: FakeTime, namespace: str
+) -> None:
+    """A renewal whose answer has not come by the local expiry (a server answering a
+    byte at a time, a hung name lookup: httpx bounds each read, not the request) does
+    not hold back the news: the lease is reported lost at the expiry, and an answer
+    that comes later does not revive it."""
+    app = bridge(api)
+    renewals: list[bool] = []
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        if not request.url.path.endswith("/renew"):
+            return None
+        answer = app.handle_request(request)  # renewed on the service...
+        deadline = ManualThread.instances[-1]
+        assert deadline.started
+        deadline.target()  # ...but the answer is still on its way at the expiry
+        renewals.append(lease.lost.is_set())
+        return answer
+
+    client = make_client(api, fake_time, fault=fault)
+    told: list[LeaseLost] = []
+    with client.lease(namespace, KEY, ttl=30, on_lost=told.append) as lease:
+        worker = worker_of(lease)
+        start = fake_time.monotonic()
+        worker.step()
+        assert renewals == [True]  # lost while the renewal was in flight
+        assert fake_time.monotonic() - start == pytest.approx(30)  # ttl/3, then the rest
+        assert len(told) == 1
+        assert "still waiting for its answer" in told[0].error
+        with pytest.raises(LeaseLost):
+            lease.check()  # the late answer did not revive it
+        assert not worker.step()
+        assert renewals == [True]  # and no renewal was sent after it
+
+
+def test_leaving_a_lost_lease_does_not_wait_for_a_renewal_still_in_flight(
+    api: Any, namespace: str
+) -> None:
+    """With a renewal stuck past the expiry (the lease reported lost meanwhile), leaving
+    the block neither waits for that renewal nor for the lock it holds."""
+    in_flight, let_go = threading.Event(), threading.Event()
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        if request.url.path.endswith("/renew"):
+            in_flight.set()
+            let_go.wait(30)
+        return None
+
+    client = LeaseClient(BASE_URL, transport=bridge(api, fault))  # real threads and time
+    lease = client.lease(namespace, KEY, ttl=1).__enter__()  # renewed at 0.33 s, lost at 1 s
+    try:
+        assert in_flight.wait(5) and lease.lost.wait(5)
+        leaving = threading.Thread(target=lease.__exit__, args=(None, None, None))
+        leaving.start()
+        leaving.join(5)
+        assert not leaving.is_alive()  # it would wait for the request otherwise
+    finally:
+        let_go.set()
+    assert lease.lost_error is not None
+    assert "still waiting for its answer" in lease.lost_error.error
+
+
 def test_renewal_stops_at_the_end_of_the_lifecycle(
     make_api: Any, fake_time: FakeTime, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -124,6 +124,10 @@ def _expired(plan: RenewalPlan) -> LeaseLost:
     )
 
 
+def _unanswered() -> LeaseLost:
+    return LeaseLost("The lease expired while a renewal was still waiting for its answer")
+
+
 def _refused(error: LeaseError) -> LeaseLost:
     return LeaseLost(
         f"Lease renewal was refused ({error.status}: {error.error}); "
@@ -184,6 +188,8 @@ class RenewalWorker:
         self.renewals = 0
         self._lease = weakref.ref(lease)
         self._monotonic = monotonic
+        self._event_factory = event_factory
+        self._thread_factory = thread_factory
         self._stop = event_factory()
         self._request_timeout = request_timeout
         self._thread = thread_factory(target=self.run, name="leasekeeper-renewal", daemon=True)
@@ -197,10 +203,12 @@ class RenewalWorker:
         self._thread.start()
         self._started = True  # only now: a thread that never started cannot be joined
 
-    def stop(self) -> None:
-        """End renewal now; waits for a renewal in flight (up to the request timeout)."""
+    def stop(self, *, wait: bool = True) -> None:
+        """End renewal now; waits for a renewal in flight (up to the request timeout)
+        unless ``wait`` is false: then a renewal still in flight is left to end by
+        itself, and does not act on the lease when it does."""
         self._stop.set()
-        if not self._started or self._thread is threading.current_thread():
+        if not wait or not self._started or self._thread is threading.current_thread():
             return
         limit = self._request_timeout + 1.0
         self._thread.join(limit)
@@ -244,6 +252,7 @@ class RenewalWorker:
             return False
         _log_late(plan, now)
         timeout = min(self._request_timeout, max(plan.expires_at - now, MIN_RETRY_SECONDS))
+        answered = self._watch_expiry(lease, plan.expires_at - now)
         try:
             granted = lease._renew_for_worker(timeout)
         except LeaseLost as error:
@@ -261,12 +270,31 @@ class RenewalWorker:
             if not self.stopped:
                 lease._lost(_refused(error))
             return False
+        finally:
+            answered.set()
         if granted is None or self.stopped:
             return False
         plan.renewed(granted, now)
         self.renewals += 1
         _log_final(plan, now)
         return True
+
+    def _watch_expiry(self, lease: _SyncLease, seconds: float) -> Waiter:
+        """Report the lease lost if the renewal about to be sent is not answered within
+        ``seconds`` (by the local expiry); set the returned event once it is.
+
+        httpx's timeout bounds each read, not a whole request: a server that sends its
+        answer a byte at a time, or a name lookup that hangs, would hold the renewal
+        (and so the report of a lost lease) past the expiry for as long as it lasts.
+        """
+        answered = self._event_factory()
+
+        def watch() -> None:
+            if not answered.wait(max(seconds, 0.0)) and not self.stopped:
+                lease._lost(_unanswered())
+
+        self._thread_factory(target=watch, name="leasekeeper-renewal-deadline", daemon=True).start()
+        return answered
 
 
 class AsyncRenewalWorker:
@@ -342,7 +370,25 @@ class AsyncRenewalWorker:
         _log_late(plan, now)
         timeout = min(self._request_timeout, max(plan.expires_at - now, MIN_RETRY_SECONDS))
         try:
-            granted = await lease._renew_for_worker(timeout)
+            # A deadline on the whole request: httpx's timeout bounds each read, and a
+            # server that answers a byte at a time would hold the renewal past the expiry.
+            async with asyncio.timeout(timeout):
+                granted = await lease._renew_for_worker(timeout)
+        except TimeoutError:
+            if self.stopped:
+                return False
+            later = self._monotonic()
+            if plan.expired(later):
+                await lease._lost(_unanswered())
+                return False
+            plan.failed(later, MIN_RETRY_SECONDS)
+            log.warning(
+                "lease renewal was not answered within %.1f s; retrying, the lease expires "
+                "in %.1f s",
+                timeout,
+                max(plan.expires_at - later, 0.0),
+            )
+            return True
         except LeaseLost as error:
             if not self.stopped:
                 await lease._lost(error)

@@ -452,13 +452,19 @@ class HeldLease:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        lost = self.lost.is_set()  # the service said so, or its expiry has passed
         if self.renewer is not None:
-            self.renewer.stop()
+            # A lost lease has nothing to release: a renewal still in flight (one that
+            # was not answered by the expiry) is not waited for, nor is its lock.
+            self.renewer.stop(wait=not lost)
+        if lost:
+            self._ended = True
+            return
         with self._lock:
             if self._ended:
                 return
             self._ended = True
-            if self.lost.is_set():  # the service said so, or its expiry has passed
+            if self.lost.is_set():
                 return
             try:
                 self._client.release(self._namespace, self._key, self._token())
