@@ -11,13 +11,14 @@ app, and across a restart of the SQLite store, after each kind of ending::
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from leasekeeper import FakeClock
-from leasekeeper.store import SqliteStore
+from leasekeeper import FakeClock, LeaseHeld, LeaseService, SystemClock
+from leasekeeper.store import MemoryStore, SqliteStore
 from tests.conftest import Api, ApiFactory
 
 KEY = "report:2026-09"
@@ -172,3 +173,82 @@ def test_an_expiry_nobody_saw_is_still_exclusive_after_a_restart_stepped_back(
     assert held["fencing_token"] == lease["fencing_token"]
     renewed = body(again.renew(**owner(ns, lease)), 200, "held")
     assert renewed["fencing_token"] == lease["fencing_token"]
+
+
+class _Clocks:
+    """A wall clock and an elapsed-time clock, in nanoseconds, moved by the test."""
+
+    def __init__(self) -> None:
+        self.wall = 1_788_602_400_000 * 1_000_000
+        self.elapsed = 5_000 * 1_000_000_000
+
+    def step(self, seconds: float) -> None:
+        """Time passes: both clocks move."""
+        self.wall += round(seconds * 1e9)
+        self.elapsed += round(seconds * 1e9)
+
+    def set_wall(self, seconds: float) -> None:
+        """The wall clock steps by ``seconds`` (NTP, an operator); no time passes."""
+        self.wall += round(seconds * 1e9)
+
+    def system_clock(self) -> SystemClock:
+        return SystemClock(wall_ns=lambda: self.wall, elapsed_ns=lambda: self.elapsed)
+
+
+def test_the_system_clock_follows_the_wall_clock_and_its_steps_forward() -> None:
+    """SystemClock reads the wall clock, and follows it when it steps forward."""
+    clocks = _Clocks()
+    clock = clocks.system_clock()
+    start = clock.now_ms()
+    assert start == clocks.wall // 1_000_000
+    clocks.step(2.5)
+    assert clock.now_ms() == start + 2_500
+    clocks.set_wall(3_600)
+    assert clock.now_ms() == start + 3_602_500
+
+
+def test_the_system_clock_goes_on_at_the_pace_of_elapsed_time_after_a_step_back() -> None:
+    """When the wall clock steps back, SystemClock neither runs back nor stands still: it
+    goes on from its last time as time passes, that far ahead of the wall clock."""
+    clocks = _Clocks()
+    clock = clocks.system_clock()
+    start = clock.now_ms()
+    clocks.step(1)
+    clocks.set_wall(-3_600)  # an hour back
+    assert clock.now_ms() == start + 1_000
+    clocks.step(5)
+    assert clock.now_ms() == start + 6_000  # five seconds later, not an hour
+    clocks.set_wall(-10)
+    clocks.step(0.25)
+    assert clock.now_ms() == start + 6_250
+    clocks.step(60)
+    assert clock.now_ms() == start + 66_250
+    assert clock.now_ms() - clocks.wall // 1_000_000 == 3_610_000  # ahead by both steps
+
+
+def test_a_lease_ends_after_its_ttl_when_the_wall_clock_steps_back() -> None:
+    """A 3-second lease on a server whose wall clock steps back an hour ends 3 seconds
+    after it was granted, and the held answer's retry_after_seconds says so."""
+    clocks = _Clocks()
+    service = LeaseService(MemoryStore(clocks.system_clock()))
+
+    async def scenario() -> None:
+        await service.start()
+        try:
+            namespace = (await service.create_namespace()).body["namespace"]
+            acquire = {"namespace": namespace, "key": KEY, "ttl_seconds": 3}
+            first = await service.handle("acquire", acquire)
+            assert first.created
+            clocks.step(1)
+            clocks.set_wall(-3_600)
+            with pytest.raises(LeaseHeld) as held:
+                await service.handle("acquire", acquire)
+            assert held.value.retry_after_seconds == 2
+            clocks.step(2)
+            second = await service.handle("acquire", acquire)
+            assert second.created
+            assert second.body["fencing_token"] > first.body["fencing_token"]
+        finally:
+            await service.stop()
+
+    asyncio.run(scenario())

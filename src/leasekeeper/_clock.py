@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 __all__ = ["Clock", "FakeClock", "SystemClock"]
@@ -23,24 +24,53 @@ class Clock(Protocol):
         ...
 
 
-class SystemClock:
-    """The wall clock, held so that it never runs backwards within this process.
+def _elapsed_ns() -> int:
+    """Nanoseconds of elapsed time: CLOCK_BOOTTIME where there is one (Linux: it counts
+    a suspend, as the wall clock and the workers' own clocks do), else monotonic."""
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
 
-    If the system clock steps back (an NTP correction, a VM restore), this clock
-    stands still until the wall clock passes the highest time already handed out:
-    an expired lease must not come back to life because the clock moved.
+
+class SystemClock:
+    """The wall clock, held so that it never runs backwards nor stands still.
+
+    Normally the wall clock's time. If the wall clock steps back (an NTP correction,
+    an operator, a VM restore), this clock goes on from the last time it handed out
+    at the pace of elapsed time: an expired lease must not come back to life because
+    the clock moved, and no lease may be held longer than its TTL either, as it would
+    be if the clock stood still until the wall clock caught up (every lease in the
+    process, for as long as the step). It then runs that far ahead of the wall clock,
+    until the process restarts. A step forward is followed::
+
+        wall clock     10:00 ──── 10:05 ╮ (stepped back an hour)
+                                        ╰ 09:05 ──── 09:10
+        this clock     10:00 ──── 10:05 ───────────── 10:10
     """
 
-    def __init__(self) -> None:
-        self._last = 0
+    def __init__(
+        self,
+        wall_ns: Callable[[], int] = time.time_ns,
+        elapsed_ns: Callable[[], int] | None = None,
+    ) -> None:
+        if elapsed_ns is None:
+            elapsed_ns = _elapsed_ns if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic_ns
+        self._wall_ns = wall_ns
+        self._elapsed_ns = elapsed_ns
+        #: Added to the wall clock: the steps back seen so far.
+        self._ahead_ns = 0
+        self._last_ns = 0
+        self._last_elapsed_ns = elapsed_ns()
         self._lock = threading.Lock()
 
     def now_ms(self) -> int:
-        wall = time.time_ns() // 1_000_000
         with self._lock:
-            if wall > self._last:
-                self._last = wall
-            return self._last
+            wall, elapsed = self._wall_ns(), self._elapsed_ns()
+            now = wall + self._ahead_ns
+            if now < self._last_ns:  # the wall clock stepped back: elapsed time goes on
+                later = self._last_ns + max(elapsed - self._last_elapsed_ns, 0)
+                self._ahead_ns += later - now
+                now = later
+            self._last_ns, self._last_elapsed_ns = now, elapsed
+            return now // 1_000_000
 
 
 class FakeClock:
