@@ -485,6 +485,36 @@ def test_a_grant_during_a_raise_of_the_counter_draws_above_it(
     asyncio.run(main())
 
 
+def test_a_missing_fence_sequence_is_recreated_above_the_stored_tokens(
+    make_store: StoreFactory, url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fencing sequence dropped (or left out of a restore) beside stored records is
+    created again above their highest token, with a WARNING, never at 1 below them."""
+    store = make_store("postgres")
+    key = new_id()
+
+    async def grant_five() -> int:
+        async with opened(store):
+            for _ in range(5):
+                decision = await store.apply(acquire(key, ttl_ms=1))
+                assert isinstance(decision.outcome, Granted)
+                await store.apply(Release(key, decision.outcome.record.owner or b""))
+            return decision.outcome.record.fencing_token
+
+    async def grant_again() -> int:
+        async with opened(store):
+            decision = await store.apply(acquire(key))
+            assert isinstance(decision.outcome, Granted)
+            return decision.outcome.record.fencing_token
+
+    highest = asyncio.run(grant_five())
+    with admin(url) as conn:
+        conn.execute(f'DROP SEQUENCE "{store.schema}".leasekeeper_fence')
+    with caplog.at_level(logging.WARNING, logger="leasekeeper.store.postgres"):
+        assert asyncio.run(grant_again()) == highest + 1
+    assert f"continue above the highest of their tokens ({highest})" in caplog.text
+
+
 # -- failures --------------------------------------------------------------------------------
 
 

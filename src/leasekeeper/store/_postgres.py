@@ -786,8 +786,12 @@ class PostgresStore:
                     "The PostgreSQL database must use the UTF8 encoding so that results "
                     "round-trip exactly"
                 )
+            sequence = await conn.execute("SELECT to_regclass('leasekeeper_fence')")
+            sequence_was_missing = (await sequence.fetchone()) in (None, (None,))
             for statement in _DDL:
                 await conn.execute(statement)
+            if sequence_was_missing:
+                await self._restart_fence_above_the_table(conn)
             await conn.execute(
                 "INSERT INTO leasekeeper_meta (name, value) VALUES ('schema_version', %s) "
                 "ON CONFLICT (name) DO NOTHING",
@@ -810,6 +814,26 @@ class PostgresStore:
             if row is not None and row[0] != 1:
                 log.warning("the fencing sequence had CACHE %s; setting CACHE 1", row[0])
                 await conn.execute("ALTER SEQUENCE leasekeeper_fence CACHE 1")
+
+    @staticmethod
+    async def _restart_fence_above_the_table(conn: Connection) -> None:
+        """The fencing sequence was just created (inside the migration's transaction, so
+        no one draws from it yet) beside a table that may hold records already (the
+        sequence was dropped, or left out of a restore): start it above the highest
+        token stored, never at 1 below tokens already handed out."""
+        found = await conn.execute("SELECT max(fencing_token), count(*) FROM leasekeeper_leases")
+        row = await found.fetchone()
+        if row is None or row[0] is None:
+            return
+        highest, records = int(row[0]), int(row[1])
+        await conn.execute(_SET_FENCE, (highest,))
+        log.warning(
+            "the fencing sequence was missing beside %d stored records; it was created to "
+            "continue above the highest of their tokens (%d). If higher tokens were handed "
+            "out before (a restore from a backup), raise it with `leasekeeper fence`",
+            records,
+            highest,
+        )
 
 
 def _conninfo(url: str, timeout: float, schema: str | None, application_name: str | None) -> str:
