@@ -515,6 +515,32 @@ def test_a_missing_fence_sequence_is_recreated_above_the_stored_tokens(
     assert f"continue above the highest of their tokens ({highest})" in caplog.text
 
 
+def test_readiness_needs_a_writable_database_and_the_fence_sequence(
+    make_store: StoreFactory, url: str
+) -> None:
+    """ping (/readyz) fails while the database is read-only (every write would fail) or
+    the fencing sequence is missing (every grant would), not only when it is down."""
+    store = make_store("postgres", max_size=1)
+
+    async def main() -> None:
+        async with opened(store):
+            await store.ping()
+            pool = store._pool  # type: ignore[attr-defined]
+            async with pool.connection() as conn:  # the pool's one connection
+                await conn.execute("SET SESSION default_transaction_read_only = on")
+            with pytest.raises(ServiceUnavailable, match="read-only"):
+                await store.ping()
+            async with pool.connection() as conn:
+                await conn.execute("SET SESSION default_transaction_read_only = off")
+            await store.ping()
+            with admin(url) as conn:
+                conn.execute(f'DROP SEQUENCE "{store.schema}".leasekeeper_fence')
+            with pytest.raises(ServiceUnavailable, match="fencing sequence is missing"):
+                await store.ping()
+
+    asyncio.run(main())
+
+
 # -- failures --------------------------------------------------------------------------------
 
 

@@ -193,6 +193,12 @@ _PURGE_AT: Final = (
     "FOR UPDATE SKIP LOCKED))"
 )
 _PING: Final = "SELECT 1 FROM leasekeeper_leases LIMIT 0"
+# What a write needs besides the table: a session that may write (not a read-only
+# database, nor a standby reached by an old connection) and the fencing sequence.
+_CAN_WRITE: Final = (
+    "SELECT current_setting('transaction_read_only') = 'off', "
+    "to_regclass('leasekeeper_fence') IS NOT NULL"
+)
 # Raising the counter (``raise_fence``). setval() alone could race another
 # instance's nextval(): read 10, another session draws 11, setval(10) takes it back.
 # ALTER SEQUENCE locks the sequence until COMMIT, and nextval() waits for that lock
@@ -445,9 +451,17 @@ class PostgresStore:
         return row is not None and bool(row[0])
 
     async def ping(self) -> None:
+        """Whether requests can be served: the table can be read (a blocked table reads
+        as "cannot serve"), and written (``_CAN_WRITE``), else ``ServiceUnavailable``."""
+
         async def run(conn: Connection, attempt: _Attempt[None]) -> None:
-            # Touches the table, so a blocked table reads as "cannot serve".
             await conn.execute(_PING)
+            found = await conn.execute(_CAN_WRITE)
+            writable, sequence = await found.fetchone() or (False, False)
+            if not writable:
+                raise ServiceUnavailable("The PostgreSQL database is read-only")
+            if not sequence:
+                raise ServiceUnavailable("The PostgreSQL fencing sequence is missing")
 
         await self._run("ping", run)
 
