@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import time
 from datetime import timedelta
 
 import pytest
 
+from leasekeeper import AsyncLeaseClient, LeaseClient
+from leasekeeper._clock import elapsed_seconds
 from leasekeeper.client import RenewalPlan
 from leasekeeper.client._timing import MAX_POLL_SECONDS, acquire_delay, as_seconds
 
@@ -79,3 +82,15 @@ def test_failures_retry_sooner_and_never_past_the_expiry() -> None:
     assert plan.next_at == 30.0  # capped at the expiry
     plan.renewed(30, sent_at=30.0)
     assert plan.failures == 0
+
+
+def test_clients_measure_leases_on_a_clock_that_counts_a_suspend() -> None:
+    """Both clients time a lease's local expiry with elapsed_seconds, which on Linux reads
+    CLOCK_BOOTTIME: time.monotonic stops while the machine is suspended, after which a
+    lease past its expiry would still look held."""
+    with LeaseClient("http://127.0.0.1:9") as client:
+        assert client._monotonic is elapsed_seconds
+    assert AsyncLeaseClient("http://127.0.0.1:9")._monotonic is elapsed_seconds
+    if hasattr(time, "CLOCK_BOOTTIME"):
+        boottime = time.clock_gettime(time.CLOCK_BOOTTIME)
+        assert boottime <= elapsed_seconds() < boottime + 1.0

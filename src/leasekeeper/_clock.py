@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-__all__ = ["Clock", "FakeClock", "SystemClock"]
+__all__ = ["Clock", "FakeClock", "SystemClock", "elapsed_ns", "elapsed_seconds"]
 
 
 class Clock(Protocol):
@@ -24,10 +24,22 @@ class Clock(Protocol):
         ...
 
 
-def _elapsed_ns() -> int:
-    """Nanoseconds of elapsed time: CLOCK_BOOTTIME where there is one (Linux: it counts
-    a suspend, as the wall clock and the workers' own clocks do), else monotonic."""
+def _boottime_ns() -> int:
     return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+
+
+#: Nanoseconds of elapsed time: CLOCK_BOOTTIME where there is one (Linux), which
+#: counts a suspend of the machine as the wall clock does; else the monotonic clock.
+elapsed_ns: Callable[[], int] = (
+    _boottime_ns if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic_ns
+)
+
+
+def elapsed_seconds() -> float:
+    """Seconds of elapsed time (``elapsed_ns``): what the client measures a lease's
+    local expiry with. ``time.monotonic`` stops while the machine is suspended, so
+    after a suspend longer than the TTL a lease would still look held."""
+    return elapsed_ns() / 1e9
 
 
 class SystemClock:
@@ -35,11 +47,11 @@ class SystemClock:
 
     Normally the wall clock's time. If the wall clock steps back (an NTP correction,
     an operator, a VM restore), this clock goes on from the last time it handed out
-    at the pace of elapsed time: an expired lease must not come back to life because
-    the clock moved, and no lease may be held longer than its TTL either, as it would
-    be if the clock stood still until the wall clock caught up (every lease in the
-    process, for as long as the step). It then runs that far ahead of the wall clock,
-    until the process restarts. A step forward is followed::
+    at the pace of elapsed time (``elapsed_ns``): an expired lease must not come back
+    to life because the clock moved, and no lease may be held longer than its TTL
+    either, as it would be if the clock stood still until the wall clock caught up
+    (every lease in the process, for as long as the step). It then runs that far
+    ahead of the wall clock, until the process restarts. A step forward is followed::
 
         wall clock     10:00 ──── 10:05 ╮ (stepped back an hour)
                                         ╰ 09:05 ──── 09:10
@@ -49,10 +61,8 @@ class SystemClock:
     def __init__(
         self,
         wall_ns: Callable[[], int] = time.time_ns,
-        elapsed_ns: Callable[[], int] | None = None,
+        elapsed_ns: Callable[[], int] = elapsed_ns,
     ) -> None:
-        if elapsed_ns is None:
-            elapsed_ns = _elapsed_ns if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic_ns
         self._wall_ns = wall_ns
         self._elapsed_ns = elapsed_ns
         #: Added to the wall clock: the steps back seen so far.

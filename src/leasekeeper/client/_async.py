@@ -9,13 +9,13 @@ import inspect
 import logging
 import math
 import random as _random
-import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, ParamSpec
 
 import httpx
 
+from leasekeeper._clock import elapsed_seconds
 from leasekeeper._errors import LeaseError, LeaseHeld, LeaseLost
 from leasekeeper.client._common import (
     NOT_OWNED,
@@ -77,7 +77,7 @@ class AsyncLeaseClient:
         client: httpx.AsyncClient | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         timeout: float = DEFAULT_TIMEOUT,
-        monotonic: Callable[[], float] = time.monotonic,
+        monotonic: Callable[[], float] = elapsed_seconds,
         signal_factory: Callable[[], AsyncWaiter] = AsyncSignal,
         task_factory: TaskFactory = asyncio.ensure_future,
         random: Callable[[], float] = _random.random,

@@ -8,13 +8,13 @@ import logging
 import math
 import random as _random
 import threading
-import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec
 
 import httpx
 
+from leasekeeper._clock import elapsed_seconds
 from leasekeeper._errors import (
     LeaseError,
     LeaseHeld,
@@ -85,7 +85,7 @@ class LeaseClient:
         client: httpx.Client | None = None,
         transport: httpx.BaseTransport | None = None,
         timeout: float = DEFAULT_TIMEOUT,
-        monotonic: Callable[[], float] = time.monotonic,
+        monotonic: Callable[[], float] = elapsed_seconds,
         event_factory: Callable[[], Waiter] = threading.Event,
         thread_factory: ThreadFactory = threading.Thread,
         random: Callable[[], float] = _random.random,
