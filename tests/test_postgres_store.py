@@ -541,6 +541,32 @@ def test_readiness_needs_a_writable_database_and_the_fence_sequence(
     asyncio.run(main())
 
 
+def test_failing_batches_are_logged_at_most_once_a_second(
+    make_store: StoreFactory, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With every write failing (a read-only database here), each caller gets its 503,
+    but the log gets one line a second, then one that counts the lines it left out."""
+    store = make_store("postgres", max_size=1)
+
+    async def main() -> None:
+        async with opened(store):
+            async with store._pool.connection() as conn:  # type: ignore[attr-defined]
+                await conn.execute("SET SESSION default_transaction_read_only = on")
+            for _ in range(20):
+                with pytest.raises(ServiceUnavailable, match="refused the request"):
+                    await store.apply(acquire())
+            clock.advance(1)
+            with pytest.raises(ServiceUnavailable):
+                await store.apply(acquire())
+
+    with caplog.at_level(logging.WARNING, logger="leasekeeper.store.postgres"):
+        asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "ReadOnlySqlTransaction" in lines[0]
+    assert lines[1].endswith("(and 19 more since the last such line)")
+
+
 # -- failures --------------------------------------------------------------------------------
 
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -61,6 +62,7 @@ __all__ = [
     "LiveCounter",
     "Purged",
     "Store",
+    "Throttled",
     "decide_in_turn",
     "decide_with_fence",
     "settle",
@@ -247,3 +249,36 @@ class Deadlines:
                     return
                 settle(future, ServiceUnavailable("The lease store did not answer in time"))
             waiting.popleft()
+
+
+class Throttled:
+    """A log line at most once every ``every_ms``, then with how many like it were not
+    logged: when every batch fails (a full disk, a read-only or unreachable database),
+    a line for each, hundreds a second, would flood the logs, often on that same disk.
+    ``now_ms`` is any clock of milliseconds; safe to call from any thread."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        level: int,
+        now_ms: Callable[[], int],
+        every_ms: int = 1_000,
+    ) -> None:
+        self._logger = logger
+        self._level = level
+        self._now_ms = now_ms
+        self._every_ms = every_ms
+        self._next_ms: int | None = None
+        self._quiet = 0
+        self._lock = threading.Lock()
+
+    def log(self, message: str, *args: object) -> None:
+        now = self._now_ms()
+        with self._lock:
+            if self._next_ms is not None and now < self._next_ms:
+                self._quiet += 1
+                return
+            quiet, self._quiet, self._next_ms = self._quiet, 0, now + self._every_ms
+        if quiet:
+            message, args = message + " (and %d more since the last such line)", (*args, quiet)
+        self._logger.log(self._level, message, *args)

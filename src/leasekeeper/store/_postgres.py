@@ -58,10 +58,10 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import TupleRow
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from leasekeeper._clock import Clock
+from leasekeeper._clock import Clock, elapsed_ns
 from leasekeeper._core.model import Command, Decision, LeaseRecord
 from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
-from leasekeeper.store._base import Deadlines, Purged, decide_in_turn, settle
+from leasekeeper.store._base import Deadlines, Purged, Throttled, decide_in_turn, settle
 
 __all__ = ["DEFAULT_POOL_SIZE", "SCHEMA_VERSION", "PostgresStore"]
 
@@ -311,6 +311,10 @@ class PostgresStore:
             raise ValueError("schema must be a lower-case identifier (a-z, 0-9, underscore)")
         self.schema = schema
         self._clock = clock
+        #: Failed calls: when the database is down or read-only, every batch fails.
+        self._failures = Throttled(
+            log, logging.WARNING, clock.now_ms if clock is not None else _elapsed_ms
+        )
         self._timeout = timeout_seconds
         self._deadlines = Deadlines(timeout_seconds)
         self._conninfo = _conninfo(url, timeout_seconds, schema, application_name)
@@ -648,11 +652,17 @@ class PostgresStore:
             async with asyncio.timeout_at(deadline):
                 return await asyncio.shield(task)
         except TimeoutError:
-            log.warning("PostgreSQL store: %s did not finish within %.1f s", what, self._timeout)
+            self._failures.log(
+                "PostgreSQL store: %s did not finish within %.1f s", what, self._timeout
+            )
             raise ServiceUnavailable("The lease store did not answer in time") from None
         except psycopg.Error as exc:
-            log.warning("PostgreSQL store: %s failed: %s", what, _describe(exc))
-            raise ServiceUnavailable("The lease store cannot be reached; retry shortly") from exc
+            self._failures.log("PostgreSQL store: %s failed: %s", what, _describe(exc))
+            if isinstance(exc, psycopg.OperationalError):  # the connection, not the request
+                raise ServiceUnavailable(
+                    "The lease store cannot be reached; retry shortly"
+                ) from exc
+            raise ServiceUnavailable("The lease store refused the request; retry shortly") from exc
         finally:
             if not task.done():
                 task.cancel()
@@ -848,6 +858,12 @@ class PostgresStore:
             records,
             highest,
         )
+
+
+def _elapsed_ms() -> int:
+    """Milliseconds of elapsed time: what paces log lines when no clock is injected
+    (the database server's clock decides everything else)."""
+    return elapsed_ns() // 1_000_000
 
 
 def _conninfo(url: str, timeout: float, schema: str | None, application_name: str | None) -> str:

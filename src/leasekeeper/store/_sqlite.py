@@ -51,7 +51,7 @@ from typing import Any
 from leasekeeper._clock import Clock, SystemClock
 from leasekeeper._core.model import Command, Decision, LeaseRecord
 from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
-from leasekeeper.store._base import Deadlines, Purged, decide_in_turn, settle
+from leasekeeper.store._base import Deadlines, Purged, Throttled, decide_in_turn, settle
 
 __all__ = ["SqliteStore"]
 
@@ -208,30 +208,6 @@ _Job = tuple[str, list[_Op], _Results]
 _DURABLE, _WHOLE, _CATCH_UP = "durable", "whole", "catch-up"
 
 
-class _Throttled:
-    """An ERROR logged at most once a second, then with how many like it were not:
-    on a full disk every batch fails, and a line for each, hundreds a second, would
-    flood the logs, often on that same full disk. Called from the loop and the thread."""
-
-    def __init__(self, clock: Clock, every_ms: int = 1_000) -> None:
-        self._clock = clock
-        self._every_ms = every_ms
-        self._next_ms: int | None = None
-        self._quiet = 0
-        self._lock = threading.Lock()
-
-    def error(self, message: str, *args: object) -> None:
-        now = self._clock.now_ms()
-        with self._lock:
-            if self._next_ms is not None and now < self._next_ms:
-                self._quiet += 1
-                return
-            quiet, self._quiet, self._next_ms = self._quiet, 0, now + self._every_ms
-        if quiet:
-            message, args = message + " (and %d more since the last such line)", (*args, quiet)
-        log.error(message, *args)
-
-
 class SqliteStore:
     """Records in one SQLite file (``sqlite:///path/to.db``)."""
 
@@ -245,7 +221,7 @@ class SqliteStore:
     ) -> None:
         self.path = Path(path)
         self._clock = clock or SystemClock()
-        self._failures = _Throttled(self._clock)
+        self._failures = Throttled(log, logging.ERROR, self._clock.now_ms)
         self._max_batch = max_batch
         self._timeout = timeout_seconds
         self._deadlines = Deadlines(timeout_seconds)
@@ -488,7 +464,7 @@ class SqliteStore:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
             if isinstance(exc, sqlite3.Error):
-                self._failures.error(
+                self._failures.log(
                     "SQLite batch failed, %d operations refused: %s", len(batch), exc
                 )
                 error: LeaseError = _write_failed()
@@ -660,7 +636,7 @@ class SqliteStore:
                     conn.execute("ROLLBACK")
                 raise
         except sqlite3.Error as exc:
-            self._failures.error(
+            self._failures.log(
                 "SQLite transaction failed, %d operations refused: %s", len(batch), exc
             )
             error = _write_failed()
