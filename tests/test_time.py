@@ -226,6 +226,22 @@ def test_the_system_clock_goes_on_at_the_pace_of_elapsed_time_after_a_step_back(
     assert clock.now_ms() - clocks.wall // 1_000_000 == 3_610_000  # ahead by both steps
 
 
+def test_the_system_clock_follows_a_corrected_step_back_without_a_jump() -> None:
+    """A step back that is put right later is followed again from there: the clock
+    does not jump ahead by the step (which would end every lease early by it)."""
+    clocks = _Clocks()
+    clock = clocks.system_clock()
+    start = clock.now_ms()
+    clocks.set_wall(-3_600)
+    assert clock.now_ms() == start
+    clocks.step(10)
+    assert clock.now_ms() == start + 10_000
+    clocks.set_wall(3_600)  # put right
+    assert clock.now_ms() == start + 10_000
+    clocks.step(1)
+    assert clock.now_ms() == start + 11_000 == clocks.wall // 1_000_000
+
+
 def test_a_lease_ends_after_its_ttl_when_the_wall_clock_steps_back() -> None:
     """A 3-second lease on a server whose wall clock steps back an hour ends 3 seconds
     after it was granted, and the held answer's retry_after_seconds says so."""

@@ -47,15 +47,16 @@ class SystemClock:
 
     Normally the wall clock's time. If the wall clock steps back (an NTP correction,
     an operator, a VM restore), this clock goes on from the last time it handed out
-    at the pace of elapsed time (``elapsed_ns``): an expired lease must not come back
-    to life because the clock moved, and no lease may be held longer than its TTL
-    either, as it would be if the clock stood still until the wall clock caught up
-    (every lease in the process, for as long as the step). It then runs that far
-    ahead of the wall clock, until the process restarts. A step forward is followed::
+    at the pace of elapsed time (``elapsed_ns``) for as long as the wall clock is
+    behind it: an expired lease must not come back to life because the clock moved,
+    and no lease may be held longer than its TTL either, as it would be if the clock
+    stood still until the wall clock caught up (every lease in the process, for as
+    long as the step). Once the wall clock is put right, it is followed again, with
+    no jump. A step forward is followed::
 
-        wall clock     10:00 ──── 10:05 ╮ (stepped back an hour)
-                                        ╰ 09:05 ──── 09:10
-        this clock     10:00 ──── 10:05 ───────────── 10:10
+        wall clock     10:00 ──── 10:05 ╮ (stepped back an hour)   ╭ 10:10 ────
+                                        ╰ 09:05 ──── 09:10 ────────╯ (put right)
+        this clock     10:00 ──── 10:05 ─────────────── 10:10 ──────── 10:10 ────
     """
 
     def __init__(
@@ -65,8 +66,6 @@ class SystemClock:
     ) -> None:
         self._wall_ns = wall_ns
         self._elapsed_ns = elapsed_ns
-        #: Added to the wall clock: the steps back seen so far.
-        self._ahead_ns = 0
         self._last_ns = 0
         self._last_elapsed_ns = elapsed_ns()
         self._lock = threading.Lock()
@@ -74,11 +73,10 @@ class SystemClock:
     def now_ms(self) -> int:
         with self._lock:
             wall, elapsed = self._wall_ns(), self._elapsed_ns()
-            now = wall + self._ahead_ns
-            if now < self._last_ns:  # the wall clock stepped back: elapsed time goes on
-                later = self._last_ns + max(elapsed - self._last_elapsed_ns, 0)
-                self._ahead_ns += later - now
-                now = later
+            # The later of the wall clock and the last time plus the time elapsed since:
+            # the second only wins while the wall clock is behind (read jitter aside,
+            # which does not add up: each reading is measured from the last).
+            now = max(wall, self._last_ns + max(elapsed - self._last_elapsed_ns, 0))
             self._last_ns, self._last_elapsed_ns = now, elapsed
             return now // 1_000_000
 
