@@ -305,10 +305,10 @@ def test_async_renewal_has_a_deadline_on_the_whole_request(
             if not request.url.path.endswith("/renew"):
                 return await self.inner.handle_async_request(request)
             self.renewals += 1
-            await self.inner.handle_async_request(request)  # renewed on the service
             if self.renewals == 2:
                 fake_time.clock.advance(25)  # the expiry passes while the answer is awaited
-            await asyncio.Event().wait()  # and the answer never comes
+            await self.inner.handle_async_request(request)  # reaches the service...
+            await asyncio.Event().wait()  # ...and its answer never comes
             raise AssertionError("unreachable")
 
     async def scenario(transport: httpx.AsyncBaseTransport) -> None:
@@ -334,6 +334,35 @@ def test_async_renewal_has_a_deadline_on_the_whole_request(
                 assert lease.lost_error is not None
                 assert "still waiting for its answer" in lease.lost_error.error
         assert hanging.renewals == 2
+
+    run_app(scenario)
+
+
+def test_async_slow_complete_holding_the_lock_is_not_a_renewal_waiting_for_its_answer(
+    run_app: Callable[..., None],
+) -> None:
+    """A renewal that waits for the lock while a slow complete holds it past the local
+    expiry is not cut short and does not report the lease lost: its deadline starts
+    when it is sent."""
+
+    class SlowComplete(httpx.AsyncBaseTransport):
+        def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+            self.inner = inner
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            answer = await self.inner.handle_async_request(request)
+            if request.url.path.endswith("/complete"):
+                await asyncio.sleep(1.3)  # stored at once, the answer past the 1 s TTL
+            return answer
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        told: list[LeaseLost] = []
+        async with AsyncLeaseClient(BASE_URL, transport=SlowComplete(transport)) as client:
+            namespace = await client.create_namespace()
+            async with client.lease(namespace, KEY, ttl=1, on_lost=told.append) as lease:
+                assert await lease.complete({"ok": 1}) == {"ok": 1}
+            assert lease.completed
+            assert not told, [error.error for error in told]
 
     run_app(scenario)
 

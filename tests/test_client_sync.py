@@ -6,6 +6,7 @@ import gc
 import logging
 import math
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -640,11 +641,9 @@ def test_a_renewal_unanswered_by_the_expiry_marks_the_lease_lost_then(
         assert renewals == [True]  # and no renewal was sent after it
 
 
-def test_leaving_a_lost_lease_does_not_wait_for_a_renewal_still_in_flight(
-    api: Any, namespace: str
-) -> None:
-    """With a renewal stuck past the expiry (the lease reported lost meanwhile), leaving
-    the block neither waits for that renewal nor for the lock it holds."""
+def _stuck_renewals() -> tuple[threading.Event, threading.Event, Any]:
+    """A ``bridge`` fault whose renewals hang until ``let_go`` is set: (in_flight,
+    let_go, fault)."""
     in_flight, let_go = threading.Event(), threading.Event()
 
     def fault(request: httpx.Request) -> httpx.Response | None:
@@ -653,18 +652,78 @@ def test_leaving_a_lost_lease_does_not_wait_for_a_renewal_still_in_flight(
             let_go.wait(30)
         return None
 
-    client = LeaseClient(BASE_URL, transport=bridge(api, fault))  # real threads and time
-    lease = client.lease(namespace, KEY, ttl=1).__enter__()  # renewed at 0.33 s, lost at 1 s
-    try:
-        assert in_flight.wait(5) and lease.lost.wait(5)
-        leaving = threading.Thread(target=lease.__exit__, args=(None, None, None))
-        leaving.start()
-        leaving.join(5)
-        assert not leaving.is_alive()  # it would wait for the request otherwise
-    finally:
-        let_go.set()
+    return in_flight, let_go, fault
+
+
+def _leave_within(lease: HeldLease, seconds: float) -> bool:
+    """Whether leaving ``lease``'s block (in a thread of its own) returns within ``seconds``."""
+    leaving = threading.Thread(target=lease.__exit__, args=(None, None, None))
+    leaving.start()
+    leaving.join(seconds)
+    return not leaving.is_alive()
+
+
+def test_leaving_a_lost_lease_does_not_wait_for_a_renewal_still_in_flight(
+    api: Any, namespace: str
+) -> None:
+    """With a renewal stuck past the expiry (the lease reported lost meanwhile), leaving
+    the block neither waits for that renewal nor for the lock it holds."""
+    in_flight, let_go, fault = _stuck_renewals()
+    # Real threads and time: renewed at 0.33 s, lost at 1 s.
+    with LeaseClient(BASE_URL, transport=bridge(api, fault)) as client:
+        lease = client.lease(namespace, KEY, ttl=1).__enter__()
+        try:
+            assert in_flight.wait(5) and lease.lost.wait(5)
+            assert _leave_within(lease, 5)  # it would wait for the request otherwise
+        finally:
+            let_go.set()
+            worker_of(lease)._thread.join(5)
     assert lease.lost_error is not None
     assert "still waiting for its answer" in lease.lost_error.error
+
+
+def test_leaving_before_the_expiry_does_not_wait_for_a_stuck_renewal_for_ever(
+    api: Any, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Leaving the block while a renewal hangs, before the expiry: the renewal is waited
+    for up to the request timeout, then the lease is left to expire (a WARNING says
+    so) rather than its lock waited for as long as the request hangs."""
+    in_flight, let_go, fault = _stuck_renewals()
+    with LeaseClient(BASE_URL, transport=bridge(api, fault), timeout=0.5) as client:
+        lease = client.lease(namespace, KEY, ttl=2).__enter__()  # renewed at 0.67 s
+        try:
+            assert in_flight.wait(5)
+            assert not lease.lost.is_set()
+            with caplog.at_level(logging.WARNING, logger="leasekeeper.client"):
+                assert _leave_within(lease, 8)  # the wait is 1.5 s: the timeout + 1
+        finally:
+            let_go.set()
+            worker_of(lease)._thread.join(5)
+    assert "it expires by itself after its TTL" in caplog.text
+
+
+def test_a_slow_complete_holding_the_lock_is_not_a_renewal_waiting_for_its_answer(
+    api: Any, namespace: str
+) -> None:
+    """A renewal that waits for the lock while a slow complete holds it past the local
+    expiry does not report the lease lost: its deadline starts when it is sent."""
+    inner = bridge(api)
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        if request.url.path.endswith("/complete"):
+            answer = inner.handle_request(request)  # stored at once...
+            time.sleep(1.3)  # ...the answer slow to come back, past the 1 s TTL
+            return answer
+        return None
+
+    told: list[LeaseLost] = []
+    with (
+        LeaseClient(BASE_URL, transport=bridge(api, fault)) as client,
+        client.lease(namespace, KEY, ttl=1, on_lost=told.append) as lease,
+    ):
+        assert lease.complete({"ok": 1}) == {"ok": 1}
+    assert lease.completed
+    assert not told, [error.error for error in told]
 
 
 def test_renewal_stops_at_the_end_of_the_lifecycle(

@@ -10,6 +10,7 @@ import logging
 import math
 import random as _random
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import Any, ParamSpec
 
@@ -511,13 +512,18 @@ class AsyncHeldLease:
             raise RuntimeError("the lease has not been acquired")
         return self.grant.owner_token
 
-    async def _renew_for_worker(self, request_seconds: float) -> int | None:
+    async def _renew_for_worker(
+        self,
+        request_seconds: float,
+        deadline: Callable[[], AbstractAsyncContextManager[object]],
+    ) -> int | None:
         async with self._lock:
             if self._ended or self.lost.is_set() or self._renewal_stopped():
                 return None
-            self.grant = await self._client._renew(
-                self._namespace, self._key, self._token(), self._ttl, request_seconds
-            )
+            async with deadline():  # entered once the lock is held, as in the sync client
+                self.grant = await self._client._renew(
+                    self._namespace, self._key, self._token(), self._ttl, request_seconds
+                )
             return self.grant.ttl_seconds
 
     def _set_lost(self, error: LeaseLost) -> bool:

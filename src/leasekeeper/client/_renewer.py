@@ -21,10 +21,12 @@ worker turn by turn (``step()``) on a fake clock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any, Protocol
 
 from leasekeeper._errors import LeaseError, LeaseLost, RateLimited, RequestTimeout, ServerError
@@ -104,12 +106,18 @@ class AsyncSignal:
 
 
 class _SyncLease(Protocol):
-    def _renew_for_worker(self, request_seconds: float) -> int | None: ...
+    def _renew_for_worker(
+        self, request_seconds: float, deadline: Callable[[], AbstractContextManager[object]]
+    ) -> int | None: ...
     def _lost(self, error: LeaseLost) -> None: ...
 
 
 class _AsyncLease(Protocol):
-    async def _renew_for_worker(self, request_seconds: float) -> int | None: ...
+    async def _renew_for_worker(
+        self,
+        request_seconds: float,
+        deadline: Callable[[], AbstractAsyncContextManager[object]],
+    ) -> int | None: ...
     async def _lost(self, error: LeaseLost) -> None: ...
 
 
@@ -203,13 +211,16 @@ class RenewalWorker:
         self._thread.start()
         self._started = True  # only now: a thread that never started cannot be joined
 
-    def stop(self, *, wait: bool = True) -> None:
+    def stop(self, *, wait: bool = True) -> bool:
         """End renewal now; waits for a renewal in flight (up to the request timeout)
         unless ``wait`` is false: then a renewal still in flight is left to end by
-        itself, and does not act on the lease when it does."""
+        itself, and does not act on the lease when it does. False when a renewal is
+        still in flight (not waited for, or not over in time)."""
         self._stop.set()
-        if not wait or not self._started or self._thread is threading.current_thread():
-            return
+        if not self._started or self._thread is threading.current_thread():
+            return True
+        if not wait:
+            return not self._thread.is_alive()
         limit = self._request_timeout + 1.0
         self._thread.join(limit)
         if self._thread.is_alive():
@@ -218,6 +229,8 @@ class RenewalWorker:
                 "it will not act on the lease any more",
                 limit,
             )
+            return False
+        return True
 
     def run(self) -> None:
         """Turn after turn until done; an unexpected error marks the lease lost, loudly."""
@@ -252,9 +265,8 @@ class RenewalWorker:
             return False
         _log_late(plan, now)
         timeout = min(self._request_timeout, max(plan.expires_at - now, MIN_RETRY_SECONDS))
-        answered = self._watch_expiry(lease, plan.expires_at - now)
         try:
-            granted = lease._renew_for_worker(timeout)
+            granted = lease._renew_for_worker(timeout, lambda: self._watch_expiry(lease))
         except LeaseLost as error:
             if not self.stopped:
                 lease._lost(error)
@@ -270,8 +282,6 @@ class RenewalWorker:
             if not self.stopped:
                 lease._lost(_refused(error))
             return False
-        finally:
-            answered.set()
         if granted is None or self.stopped:
             return False
         plan.renewed(granted, now)
@@ -279,22 +289,27 @@ class RenewalWorker:
         _log_final(plan, now)
         return True
 
-    def _watch_expiry(self, lease: _SyncLease, seconds: float) -> Waiter:
-        """Report the lease lost if the renewal about to be sent is not answered within
-        ``seconds`` (by the local expiry); set the returned event once it is.
+    @contextlib.contextmanager
+    def _watch_expiry(self, lease: _SyncLease) -> Iterator[None]:
+        """Around a renewal's request: report the lease lost if no answer has come by the
+        local expiry.
 
         httpx's timeout bounds each read, not a whole request: a server that sends its
         answer a byte at a time, or a name lookup that hangs, would hold the renewal
         (and so the report of a lost lease) past the expiry for as long as it lasts.
         """
         answered = self._event_factory()
+        seconds = max(self.plan.expires_at - self._monotonic(), 0.0)
 
         def watch() -> None:
-            if not answered.wait(max(seconds, 0.0)) and not self.stopped:
+            if not answered.wait(seconds) and not self.stopped:
                 lease._lost(_unanswered())
 
         self._thread_factory(target=watch, name="leasekeeper-renewal-deadline", daemon=True).start()
-        return answered
+        try:
+            yield
+        finally:
+            answered.set()
 
 
 class AsyncRenewalWorker:
@@ -369,11 +384,15 @@ class AsyncRenewalWorker:
             return False
         _log_late(plan, now)
         timeout = min(self._request_timeout, max(plan.expires_at - now, MIN_RETRY_SECONDS))
+
+        def deadline() -> asyncio.Timeout:
+            # On the whole request, from when it is sent: httpx's timeout bounds each
+            # read, and a server answering a byte at a time would hold it past the expiry.
+            left = max(plan.expires_at - self._monotonic(), MIN_RETRY_SECONDS)
+            return asyncio.timeout(min(self._request_timeout, left))
+
         try:
-            # A deadline on the whole request: httpx's timeout bounds each read, and a
-            # server that answers a byte at a time would hold the renewal past the expiry.
-            async with asyncio.timeout(timeout):
-                granted = await lease._renew_for_worker(timeout)
+            granted = await lease._renew_for_worker(timeout, deadline)
         except TimeoutError:
             if self.stopped:
                 return False

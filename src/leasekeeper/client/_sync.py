@@ -9,6 +9,7 @@ import math
 import random as _random
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec
 
@@ -453,12 +454,17 @@ class HeldLease:
         traceback: TracebackType | None,
     ) -> None:
         lost = self.lost.is_set()  # the service said so, or its expiry has passed
-        if self.renewer is not None:
-            # A lost lease has nothing to release: a renewal still in flight (one that
-            # was not answered by the expiry) is not waited for, nor is its lock.
-            self.renewer.stop(wait=not lost)
-        if lost:
+        # A lost lease has nothing to release: a renewal still in flight (one that was
+        # not answered by the expiry) is not waited for, nor is the lock it holds; nor
+        # is the lock of one still in flight after the wait (the lease expires by itself).
+        stopped = self.renewer.stop(wait=not lost) if self.renewer is not None else True
+        if lost or not stopped:
             self._ended = True
+            if not lost:
+                log.warning(
+                    "could not release the lease: a renewal is still waiting for its "
+                    "answer; it expires by itself after its TTL"
+                )
             return
         with self._lock:
             if self._ended:
@@ -568,14 +574,19 @@ class HeldLease:
             raise RuntimeError("the lease has not been acquired")
         return self.grant.owner_token
 
-    def _renew_for_worker(self, request_seconds: float) -> int | None:
-        """Renew once for the worker; the granted TTL, or None if the lease is over."""
+    def _renew_for_worker(
+        self, request_seconds: float, deadline: Callable[[], AbstractContextManager[object]]
+    ) -> int | None:
+        """Renew once for the worker; the granted TTL, or None if the lease is over. The
+        request is sent inside ``deadline()``, entered once the lock is held (a slow
+        ``complete`` holding it is not a renewal waiting for its answer)."""
         with self._lock:
             if self._ended or self.lost.is_set() or self._renewal_stopped():
                 return None
-            self.grant = self._client._renew(
-                self._namespace, self._key, self._token(), self._ttl, request_seconds
-            )
+            with deadline():
+                self.grant = self._client._renew(
+                    self._namespace, self._key, self._token(), self._ttl, request_seconds
+                )
             return self.grant.ttl_seconds
 
     def _lost(self, error: LeaseLost) -> None:
