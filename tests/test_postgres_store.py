@@ -38,7 +38,13 @@ from leasekeeper._core.model import (
 )
 from leasekeeper.store import Store, StoreURLError, open_store
 from tests._stores import store_target
-from tests.conftest import StoreFactory, import_or_skip, new_schema_name, postgres_url
+from tests.conftest import (
+    StoreFactory,
+    drop_schema,
+    import_or_skip,
+    new_schema_name,
+    postgres_url,
+)
 
 psycopg = import_or_skip("psycopg")
 pytestmark = pytest.mark.postgres
@@ -513,6 +519,51 @@ def test_a_missing_fence_sequence_is_recreated_above_the_stored_tokens(
     with caplog.at_level(logging.WARNING, logger="leasekeeper.store.postgres"):
         assert asyncio.run(grant_again()) == highest + 1
     assert f"continue above the highest of their tokens ({highest})" in caplog.text
+
+
+def test_a_fence_sequence_elsewhere_on_the_search_path_is_not_taken_for_the_stores(
+    url: str, clock: FakeClock
+) -> None:
+    """With a search path of two schemas (no ``schema=``), the store's own sequence is
+    the one in the first: another store's in the second does not hide that it is
+    missing, neither from the migration nor from readiness."""
+    from leasekeeper.store._postgres import PostgresStore
+
+    ours, other = new_schema_name(), new_schema_name()
+    with admin(url) as conn:
+        conn.execute(f'CREATE SCHEMA "{ours}"')
+        conn.execute(f'CREATE SCHEMA "{other}"')
+        conn.execute(f'CREATE SEQUENCE "{other}".leasekeeper_fence')  # another install's
+    path = url_with(url, options=f"-csearch_path={ours},{other}")
+    key = new_id()
+
+    def store() -> Any:
+        return PostgresStore(path, application_name=ours, clock=clock)
+
+    async def grants(count: int) -> int:
+        async with opened(store()) as opened_store:
+            for _ in range(count):
+                decision = await opened_store.apply(acquire(key))
+                assert isinstance(decision.outcome, Granted)
+                await opened_store.apply(Release(key, decision.outcome.record.owner or b""))
+            return decision.outcome.record.fencing_token
+
+    async def ping_after_drop() -> None:
+        async with opened(store()) as opened_store:
+            with admin(url) as conn:
+                conn.execute(f'DROP SEQUENCE "{ours}".leasekeeper_fence')
+            with pytest.raises(ServiceUnavailable, match="fencing sequence is missing"):
+                await opened_store.ping()
+
+    try:
+        highest = asyncio.run(grants(5))
+        with admin(url) as conn:
+            conn.execute(f'DROP SEQUENCE "{ours}".leasekeeper_fence')
+        assert asyncio.run(grants(1)) == highest + 1
+        asyncio.run(ping_after_drop())
+    finally:
+        drop_schema(url, ours)
+        drop_schema(url, other)
 
 
 def test_readiness_needs_a_writable_database_and_the_fence_sequence(

@@ -140,6 +140,12 @@ _STORE_EXISTS: Final = (
     "SELECT EXISTS (SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
     "WHERE n.nspname = current_schema() AND c.relname = 'leasekeeper_meta')"
 )
+# The fencing sequence, in the schema the store's statements create and use (not any
+# schema on the search path, where another store's could stand).
+_FENCE_EXISTS: Final = (
+    "EXISTS (SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+    "WHERE n.nspname = current_schema() AND c.relname = 'leasekeeper_fence')"
+)
 
 _BEGIN: Final = "BEGIN ISOLATION LEVEL READ COMMITTED"
 # A batch's rows, locked in key order: two batches (of any instances) that share keys
@@ -197,7 +203,7 @@ _PING: Final = "SELECT 1 FROM leasekeeper_leases LIMIT 0"
 # database, nor a standby reached by an old connection) and the fencing sequence.
 _CAN_WRITE: Final = (
     "SELECT current_setting('transaction_read_only') = 'off', "
-    "to_regclass('leasekeeper_fence') IS NOT NULL"
+    + _FENCE_EXISTS
 )
 # Raising the counter (``raise_fence``). setval() alone could race another
 # instance's nextval(): read 10, another session draws 11, setval(10) takes it back.
@@ -810,8 +816,8 @@ class PostgresStore:
                     "The PostgreSQL database must use the UTF8 encoding so that results "
                     "round-trip exactly"
                 )
-            sequence = await conn.execute("SELECT to_regclass('leasekeeper_fence')")
-            sequence_was_missing = (await sequence.fetchone()) in (None, (None,))
+            sequence = await conn.execute("SELECT " + _FENCE_EXISTS)
+            sequence_was_missing = await sequence.fetchone() == (False,)
             for statement in _DDL:
                 await conn.execute(statement)
             if sequence_was_missing:
