@@ -593,6 +593,12 @@ class TestTransport:
         sent = {"namespace": ns, "key": "k", "owner_token": lease["owner_token"], "result": 1}
         body = error(api.post("/lease/renew", json=sent), 400, "invalid")
         assert body["error"] == 'Unknown field "result" for this request'
+        many = {f"x{n}": n for n in range(2_000)}
+        body = error(api.acquire(namespace=ns, key="k", **many), 400, "invalid")
+        assert body["error"] == (  # one problem for them all, not the list 2,000 times
+            "2000 unknown fields (names are not repeated); "
+            "this request takes namespace, key, ttl_seconds, fingerprint"
+        )
 
     def test_oversized_bodies(self, api: Api, ns: str) -> None:
         """Bodies over 64 KiB are 413 too_large, declared or streamed."""

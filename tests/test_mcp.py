@@ -291,7 +291,7 @@ async def test_input_schemas_carry_the_spec_bounds(service: LeaseService) -> Non
         ({"ttl_seconds": 86401}, "ttl_seconds"),
         ({"fingerprint": ""}, "fingerprint"),
         ({"fingerprint": "x" * 1025}, "fingerprint"),
-        ({"fingerprnt": "typo"}, "Unknown field (its name is not repeated)"),
+        ({"fingerprnt": "typo"}, "Unknown field (names are not repeated)"),
         ({"namespace": "ns_short"}, "namespace"),
         ({"key": 5}, "key"),
         ({"key": "k" * 201}, "key"),

@@ -150,27 +150,31 @@ def parse_body(model: type[B], data: dict[str, Any]) -> B:
 
 def _describe(exc: ValidationError, model: type[_Body]) -> str:
     problems: list[str] = []
+    unnamed = 0  # unknown fields whose names are not repeated (``_unknown_fields``)
     for error in exc.errors(include_input=False, include_url=False):
         loc = error["loc"]
         field = str(loc[0]) if loc else "body"
         kind = error["type"]
         if kind == "extra_forbidden":
-            problems.append(_unknown_field(field, model))
+            if field in FIELD_RULES:  # the API's own name, sent where it does not belong
+                problems.append(f'Unknown field "{field}" for this request')
+            else:
+                unnamed += 1
         elif kind == "missing":
             problems.append(f"Missing field {field}: {FIELD_RULES.get(field, 'is required')}")
         elif kind == "model_type" or kind == "model_attributes_type":
             problems.append("Body must be a JSON object")
         else:
             problems.append(f"Invalid {field}: {FIELD_RULES.get(field, 'has the wrong type')}")
+    if unnamed:
+        problems.append(_unknown_fields(unnamed, model))
     return "; ".join(problems) if problems else "Invalid request"
 
 
-def _unknown_field(name: str, model: type[_Body]) -> str:
-    """The problem of an unknown field: named when it is one of the API's own field
-    names (sent to a route that does not take it), otherwise not repeated, since
-    any other name is the caller's input and may be a secret (a key or a token
-    sent as a field name); the fields the route takes are listed instead."""
-    if name in FIELD_RULES:
-        return f'Unknown field "{name}" for this request'
-    takes = ", ".join(model.model_fields)
-    return f"Unknown field (its name is not repeated); this request takes {takes or 'no fields'}"
+def _unknown_fields(count: int, model: type[_Body]) -> str:
+    """One problem for all the unknown fields whose names are not the API's own: their
+    names are the caller's input and may be secrets (a key or a token sent as a field
+    name), so they are not repeated; the fields the request takes are listed instead."""
+    takes = ", ".join(model.model_fields) or "no fields"
+    which = "Unknown field" if count == 1 else f"{count} unknown fields"
+    return f"{which} (names are not repeated); this request takes {takes}"

@@ -201,10 +201,7 @@ _PURGE_AT: Final = (
 _PING: Final = "SELECT 1 FROM leasekeeper_leases LIMIT 0"
 # What a write needs besides the table: a session that may write (not a read-only
 # database, nor a standby reached by an old connection) and the fencing sequence.
-_CAN_WRITE: Final = (
-    "SELECT current_setting('transaction_read_only') = 'off', "
-    + _FENCE_EXISTS
-)
+_CAN_WRITE: Final = "SELECT current_setting('transaction_read_only') = 'off', " + _FENCE_EXISTS
 # Raising the counter (``raise_fence``). setval() alone could race another
 # instance's nextval(): read 10, another session draws 11, setval(10) takes it back.
 # ALTER SEQUENCE locks the sequence until COMMIT, and nextval() waits for that lock
