@@ -521,6 +521,8 @@ def streamable_http_mount(
         limits = Limits.from_settings(settings)
     security = None
     if settings.host in _LOOPBACK:
+        # The SDK logs each refused Host or Origin header whole (``_ValuesOut``).
+        logging.getLogger("mcp.server.transport_security").addFilter(_VALUES_OUT)
         names = ["127.0.0.1", "localhost", "[::1]"]  # as in a Host header
         hosts = names + [f"{name}:*" for name in names]
         security = TransportSecuritySettings(
@@ -1029,7 +1031,8 @@ _VALUES_OUT = _ValuesOut()
 
 def quiet_sdk_logs() -> None:
     """Keep the MCP SDK's own loggers at WARNING or above, and its refused header
-    values out of its WARNING lines (``_ValuesOut``).
+    values out of its WARNING lines (``_ValuesOut``, which the ``/mcp`` mount also
+    installs when it turns the SDK's Host and Origin checks on).
 
     At DEBUG the SDK logs stray frames and parse errors with their content,
     which may hold tool arguments (namespaces, keys, owner tokens) that
