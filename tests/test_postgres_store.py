@@ -618,6 +618,21 @@ def test_failing_batches_are_logged_at_most_once_a_second(
     assert lines[1].endswith("(and 19 more since the last such line)")
 
 
+def test_a_503_says_which_of_the_connection_the_time_or_the_database_failed() -> None:
+    """The 503's sentence follows the error: a lost connection or a shutdown "cannot be
+    reached", a statement timeout "did not answer in time", and a refusal (a read-only
+    database, a lock not available) "refused the request"."""
+    from psycopg import errors as pg_errors
+
+    from leasekeeper.store._postgres import _unavailable
+
+    assert "cannot be reached" in _unavailable(psycopg.OperationalError("connection lost"))
+    assert "cannot be reached" in _unavailable(pg_errors.AdminShutdown())
+    assert "did not answer in time" in _unavailable(pg_errors.QueryCanceled())
+    assert "refused the request" in _unavailable(pg_errors.ReadOnlySqlTransaction())
+    assert "refused the request" in _unavailable(pg_errors.LockNotAvailable())
+
+
 # -- failures --------------------------------------------------------------------------------
 
 

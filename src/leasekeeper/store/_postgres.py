@@ -661,11 +661,7 @@ class PostgresStore:
             raise ServiceUnavailable("The lease store did not answer in time") from None
         except psycopg.Error as exc:
             self._failures.log("PostgreSQL store: %s failed: %s", what, _describe(exc))
-            if isinstance(exc, psycopg.OperationalError):  # the connection, not the request
-                raise ServiceUnavailable(
-                    "The lease store cannot be reached; retry shortly"
-                ) from exc
-            raise ServiceUnavailable("The lease store refused the request; retry shortly") from exc
+            raise ServiceUnavailable(_unavailable(exc)) from exc
         finally:
             if not task.done():
                 task.cancel()
@@ -861,6 +857,17 @@ class PostgresStore:
             records,
             highest,
         )
+
+
+def _unavailable(exc: psycopg.Error) -> str:
+    """What a 503 says for ``exc``: whether the connection, the time or the database
+    failed the request (never the database's own words)."""
+    state = exc.sqlstate or ""
+    if isinstance(exc, pg_errors.QueryCanceled):  # statement_timeout
+        return "The lease store did not answer in time"
+    if not state or state.startswith(("08", "57P")):  # the connection, or a shutdown
+        return "The lease store cannot be reached; retry shortly"
+    return "The lease store refused the request; retry shortly"
 
 
 def _elapsed_ms() -> int:
