@@ -690,7 +690,7 @@ def test_leaving_before_the_expiry_does_not_wait_for_a_stuck_renewal_for_ever(
     so) rather than its lock waited for as long as the request hangs."""
     in_flight, let_go, fault = _stuck_renewals()
     with LeaseClient(BASE_URL, transport=bridge(api, fault), timeout=0.5) as client:
-        lease = client.lease(namespace, KEY, ttl=2).__enter__()  # renewed at 0.67 s
+        lease = client.lease(namespace, KEY, ttl=4).__enter__()  # renewed at 1.33 s
         try:
             assert in_flight.wait(5)
             assert not lease.lost.is_set()
