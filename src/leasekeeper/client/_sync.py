@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ParamSpec
+from typing import Any, ParamSpec
 
 import httpx
 
@@ -54,9 +54,6 @@ from leasekeeper.client._results import (
     parse_released,
 )
 from leasekeeper.client._timing import RenewalPlan, acquire_delay, as_seconds
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["HeldLease", "LeaseClient"]
 
