@@ -1030,9 +1030,9 @@ _VALUES_OUT = _ValuesOut()
 
 
 def quiet_sdk_logs() -> None:
-    """Keep the MCP SDK's own loggers at WARNING or above, and its refused header
-    values out of its WARNING lines (``_ValuesOut``, which the ``/mcp`` mount also
-    installs when it turns the SDK's Host and Origin checks on).
+    """Keep the MCP SDK's own loggers at WARNING or above. (Its refused Host and Origin
+    header values are kept out of its WARNING lines by ``_ValuesOut``, which the ``/mcp``
+    mount installs when it turns those checks on.)
 
     At DEBUG the SDK logs stray frames and parse errors with their content,
     which may hold tool arguments (namespaces, keys, owner tokens) that
@@ -1041,4 +1041,3 @@ def quiet_sdk_logs() -> None:
     """
     sdk = logging.getLogger("mcp")
     sdk.setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
-    logging.getLogger("mcp.server.transport_security").addFilter(_VALUES_OUT)
