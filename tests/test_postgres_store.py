@@ -592,6 +592,61 @@ def test_readiness_needs_a_writable_database_and_the_fence_sequence(
     asyncio.run(main())
 
 
+def test_readiness_fails_while_the_database_refuses_writes_for_want_of_room(
+    make_store: StoreFactory, clock: FakeClock, url: str
+) -> None:
+    """A write refused for want of room or resources (SQLSTATE class 53: a full disk,
+    raised here by a trigger) fails ping (``/readyz``) until 10 s after the last such
+    refusal, or until a write succeeds; a refusal that is one request's trouble (a lock
+    not available) does not."""
+    store = make_store("postgres")
+
+    def refuse_inserts(errcode: str | None) -> None:
+        with admin(url) as conn:
+            conn.execute(f'DROP TRIGGER IF EXISTS refuse ON "{store.schema}".leasekeeper_leases')
+            if errcode is None:
+                return
+            conn.execute(
+                f'CREATE OR REPLACE FUNCTION "{store.schema}".refuse() RETURNS trigger '
+                f"LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'no room' "
+                f"USING ERRCODE = '{errcode}'; END $$"
+            )
+            conn.execute(
+                f'CREATE TRIGGER refuse BEFORE INSERT ON "{store.schema}".leasekeeper_leases '
+                f'FOR EACH ROW EXECUTE FUNCTION "{store.schema}".refuse()'
+            )
+
+    full = r"refusing writes \(DiskFull, SQLSTATE 53100\)"
+
+    async def main() -> None:
+        async with opened(store):
+            refuse_inserts("lock_not_available")
+            with pytest.raises(ServiceUnavailable, match="too busy"):
+                await store.apply(acquire())
+            await store.ping()
+
+            refuse_inserts("disk_full")
+            with pytest.raises(ServiceUnavailable, match="refused the request"):
+                await store.apply(acquire())
+            with pytest.raises(ServiceUnavailable, match=full):
+                await store.ping()
+            clock.advance(9.999)
+            with pytest.raises(ServiceUnavailable, match=full):
+                await store.ping()
+            clock.advance(0.001)
+            await store.ping()
+
+            with pytest.raises(ServiceUnavailable):
+                await store.apply(acquire())
+            with pytest.raises(ServiceUnavailable, match=full):
+                await store.ping()
+            refuse_inserts(None)  # room again: the next write that succeeds says so
+            assert isinstance((await store.apply(acquire())).outcome, Granted)
+            await store.ping()
+
+    asyncio.run(main())
+
+
 def test_failing_batches_are_logged_at_most_once_a_second(
     make_store: StoreFactory, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:

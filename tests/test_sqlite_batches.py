@@ -660,3 +660,80 @@ def test_failing_batches_are_logged_at_most_once_a_second(
         "SQLite batch failed, 1 operations refused: database or disk is full "
         "(and 19 more since the last such line)",
     ]
+
+
+def test_readiness_fails_while_the_disk_refuses_writes(tmp_path: Path) -> None:
+    """A full disk (here SQLite's page limit, which refuses a write the same way:
+    SQLITE_FULL) fails ping (``/readyz``) although the store can still be read. Ready
+    again 10 s after the last refusal, so that a server taken out of rotation is tried
+    again, or as soon as a write succeeds."""
+    clock = FakeClock()
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "full.db", clock)
+        await store.open()
+        try:
+            await store.ping()
+            conn = store._conn
+            assert conn is not None
+            (pages,) = conn.execute("PRAGMA page_count").fetchone()
+            conn.execute(f"PRAGMA max_page_count = {pages}")  # no room for one more page
+            for _ in range(10_000):
+                try:
+                    await queue_acquire(store)
+                except ServiceUnavailable:
+                    break
+            else:
+                pytest.fail("the store never filled up")
+            full = r"refusing writes \(database or disk is full\)"
+            with pytest.raises(ServiceUnavailable, match=full):
+                await store.ping()
+            clock.advance(9.999)
+            with pytest.raises(ServiceUnavailable, match=full):
+                await store.ping()
+            clock.advance(0.001)
+            await store.ping()
+
+            with pytest.raises(ServiceUnavailable):
+                await queue_acquire(store)
+            with pytest.raises(ServiceUnavailable, match=full):
+                await store.ping()
+            conn.execute(f"PRAGMA max_page_count = {pages + 100}")  # room again
+            assert isinstance((await queue_acquire(store)).outcome, Granted)
+            await store.ping()
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+def test_readiness_is_not_failed_by_a_write_lock_held_too_long(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A batch refused because another connection held the write lock past the store
+    timeout is that moment's trouble, not the disk's: once the lock is let go, ping
+    succeeds at once."""
+    caplog.set_level(logging.ERROR, logger="leasekeeper.store")
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "busy.db", FakeClock(), timeout_seconds=0.2)
+        await store.open()
+        try:
+            other = sqlite3.connect(tmp_path / "busy.db", isolation_level=None)
+            other.execute("BEGIN IMMEDIATE")
+            with pytest.raises(ServiceUnavailable):
+                await queue_acquire(store)
+            for _ in range(500):  # until the thread gives up waiting for the lock
+                if any("transaction failed" in r.getMessage() for r in caplog.records):
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                pytest.fail("the thread never gave up waiting for the lock")
+            assert "database is locked" in caplog.records[-1].getMessage()
+            other.execute("ROLLBACK")
+            other.close()
+            await store.ping()
+        finally:
+            await store.close()
+
+    asyncio.run(main())

@@ -18,7 +18,8 @@ and offers exactly this:
     written behind the walk wait for the next one. Deleting never lowers the
     fencing counter.
 ``ping()``
-    Succeed when the store can serve requests (``/readyz``).
+    Succeed when the store can serve requests (``/readyz``): it can be reached, and
+    it has not refused a write for want of room or resources lately (``Refusals``).
 ``raise_fence(at_least)``
     Atomically, as one durable transaction: raise the fencing counter to
     ``at_least`` if it is lower, never lower it, and return the counter. Every
@@ -61,6 +62,7 @@ __all__ = [
     "Durable",
     "LiveCounter",
     "Purged",
+    "Refusals",
     "Store",
     "Throttled",
     "decide_in_turn",
@@ -282,3 +284,37 @@ class Throttled:
         if quiet:
             message, args = message + " (and %d more since the last such line)", (*args, quiet)
         self._logger.log(self._level, message, *args)
+
+
+class Refusals:
+    """Whether the store has lately refused writes for want of room or resources (a full
+    disk, a failing device), for readiness: ``check`` (in ``ping``) raises
+    ``ServiceUnavailable`` from such a refusal until a write succeeds, or until
+    ``hold_ms`` pass without another one. A store that can still be read would otherwise
+    look ready while every write fails; and a server taken out of rotation for it gets
+    requests again after ``hold_ms``, so that it finds out when there is room. Failures
+    of one key or one request (a lock, a timeout) are not for this: they would take a
+    whole server out for one row. ``now_ms`` is any clock of milliseconds; safe to call
+    from any thread."""
+
+    def __init__(self, now_ms: Callable[[], int], hold_ms: int = 10_000) -> None:
+        self._now_ms = now_ms
+        self._hold_ms = hold_ms
+        #: When the latest refusal came and what it was (one tuple, replaced whole).
+        self._last: tuple[int, str] | None = None
+
+    def refused(self, reason: str) -> None:
+        """A write was refused; ``reason`` names the error's kind, never its data."""
+        self._last = (self._now_ms(), reason)
+
+    def succeeded(self) -> None:
+        """A write was committed: there is room again."""
+        self._last = None
+
+    def check(self) -> None:
+        last = self._last
+        if last is not None and self._now_ms() - last[0] < self._hold_ms:
+            raise ServiceUnavailable(
+                f"The lease store is refusing writes ({last[1]}); ready again once a write "
+                f"succeeds, or {self._hold_ms // 1000} s after the last refusal"
+            )

@@ -61,7 +61,14 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from leasekeeper._clock import Clock, elapsed_ns
 from leasekeeper._core.model import Command, Decision, LeaseRecord
 from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
-from leasekeeper.store._base import Deadlines, Purged, Throttled, decide_in_turn, settle
+from leasekeeper.store._base import (
+    Deadlines,
+    Purged,
+    Refusals,
+    Throttled,
+    decide_in_turn,
+    settle,
+)
 
 __all__ = ["DEFAULT_POOL_SIZE", "SCHEMA_VERSION", "PostgresStore"]
 
@@ -315,9 +322,9 @@ class PostgresStore:
         self.schema = schema
         self._clock = clock
         #: Failed calls: when the database is down or read-only, every batch fails.
-        self._failures = Throttled(
-            log, logging.WARNING, clock.now_ms if clock is not None else _elapsed_ms
-        )
+        paced = clock.now_ms if clock is not None else _elapsed_ms
+        self._failures = Throttled(log, logging.WARNING, paced)
+        self._refusals = Refusals(paced)
         self._timeout = timeout_seconds
         self._deadlines = Deadlines(timeout_seconds)
         self._conninfo = _conninfo(url, timeout_seconds, schema, application_name)
@@ -460,6 +467,8 @@ class PostgresStore:
     async def ping(self) -> None:
         """Whether requests can be served: the table can be read (a blocked table reads
         as "cannot serve"), and written (``_CAN_WRITE``), else ``ServiceUnavailable``."""
+
+        self._refusals.check()
 
         async def run(conn: Connection, attempt: _Attempt[None]) -> None:
             await conn.execute(_PING)
@@ -629,6 +638,8 @@ class PostgresStore:
             attempt.resolve = functools.partial(_split, results, set(writes))
             await conn.execute("COMMIT")
         # Leaving the pipeline sent the writes and COMMIT and waited for them.
+        if writes:  # a batch that wrote nothing proves nothing about room
+            self._refusals.succeeded()
         if inserted is not None and inserted.rowcount != len(inserts):
             created = {bytes(row[0]) for row in await inserted.fetchall()}
             return _split(results, set(writes), set(existing) | created)
@@ -661,6 +672,7 @@ class PostgresStore:
             raise ServiceUnavailable("The lease store did not answer in time") from None
         except psycopg.Error as exc:
             self._failures.log("PostgreSQL store: %s failed: %s", what, _describe(exc))
+            self._note_refusal(exc)
             raise ServiceUnavailable(_unavailable(exc)) from exc
         finally:
             if not task.done():
@@ -690,8 +702,12 @@ class PostgresStore:
                 log.info("PostgreSQL store: retrying after %s", type(exc).__name__)
                 # Jittered backoff, so the transactions that collided do not collide again.
                 await asyncio.sleep(random.uniform(0.001, 0.005 * number))
-            except psycopg.OperationalError:
+            except psycopg.OperationalError as exc:
                 broken = conn is not None and conn.broken
+                if self._note_refusal(exc) and not broken:
+                    # The database answered (a full disk is class 53): the transaction
+                    # did not commit, and another attempt would meet the same refusal.
+                    raise
                 if broken:
                     self._check_pool(pool)
                 if attempt.committing and attempt.resolve is not None:
@@ -707,6 +723,14 @@ class PostgresStore:
                 if last:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _note_refusal(self, exc: psycopg.Error) -> bool:
+        """Whether ``exc`` says the database cannot take writes at all, not that one
+        request failed (``_REFUSING``); if so, readiness fails for a while (``Refusals``)."""
+        if not (exc.sqlstate or "").startswith(_REFUSING):
+            return False
+        self._refusals.refused(f"{type(exc).__name__}, SQLSTATE {exc.sqlstate}")
+        return True
 
     async def _landed(
         self, pool: AsyncConnectionPool[Connection], attempt: _Attempt[Any], deadline: float
@@ -857,6 +881,12 @@ class PostgresStore:
             records,
             highest,
         )
+
+
+#: SQLSTATEs that say the database cannot take writes at all, not that one request
+#: failed: insufficient resources (a full disk, out of memory, no connection slots),
+#: system errors (I/O) and damaged data or indexes.
+_REFUSING = ("53", "58", "XX001", "XX002")
 
 
 def _unavailable(exc: psycopg.Error) -> str:

@@ -51,7 +51,14 @@ from typing import Any
 from leasekeeper._clock import Clock, SystemClock
 from leasekeeper._core.model import Command, Decision, LeaseRecord
 from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
-from leasekeeper.store._base import Deadlines, Purged, Throttled, decide_in_turn, settle
+from leasekeeper.store._base import (
+    Deadlines,
+    Purged,
+    Refusals,
+    Throttled,
+    decide_in_turn,
+    settle,
+)
 
 __all__ = ["SqliteStore"]
 
@@ -178,6 +185,21 @@ _PURGE = "DELETE FROM leases WHERE key_id > ? AND key_id <= ? AND absolute_expir
 _Task = Callable[[sqlite3.Connection], Any]
 
 
+#: SQLite's primary result codes that say the store cannot take writes at all (its own
+#: fixed messages, which name no data): a full disk, an I/O error, a read-only or
+#: unopenable file, a damaged one.
+_REFUSING = frozenset(
+    {
+        sqlite3.SQLITE_FULL,
+        sqlite3.SQLITE_IOERR,
+        sqlite3.SQLITE_READONLY,
+        sqlite3.SQLITE_CANTOPEN,
+        sqlite3.SQLITE_CORRUPT,
+        sqlite3.SQLITE_NOTADB,
+    }
+)
+
+
 def _write_failed() -> ServiceUnavailable:
     """What a request gets when SQLite refused its batch's transaction (logged apart)."""
     return ServiceUnavailable("The lease store could not complete the write")
@@ -222,6 +244,7 @@ class SqliteStore:
         self.path = Path(path)
         self._clock = clock or SystemClock()
         self._failures = Throttled(log, logging.ERROR, self._clock.now_ms)
+        self._refusals = Refusals(self._clock.now_ms)
         self._max_batch = max_batch
         self._timeout = timeout_seconds
         self._deadlines = Deadlines(timeout_seconds)
@@ -372,6 +395,9 @@ class SqliteStore:
         return contextlib.closing(sqlite3.connect(uri, uri=True, timeout=self._timeout))
 
     async def ping(self) -> None:
+        """The thread answers a query, and no write was refused lately (``Refusals``)."""
+        self._refusals.check()
+
         def run(conn: sqlite3.Connection) -> None:
             conn.execute("SELECT 1").fetchone()
 
@@ -457,6 +483,7 @@ class SqliteStore:
             self._jobs.put((_WHOLE, batch, []))
             return
         results: _Results = []
+        changes = conn.total_changes
         try:
             self._decide_in_transaction(conn, batch, results)
             conn.execute("COMMIT")  # to the OS: the thread fsyncs before anyone is answered
@@ -467,6 +494,7 @@ class SqliteStore:
                 self._failures.log(
                     "SQLite batch failed, %d operations refused: %s", len(batch), exc
                 )
+                self._refused(exc)
                 error: LeaseError = _write_failed()
             elif isinstance(exc, Exception):  # a bug: its waiters must not hang
                 log.exception("SQLite batch of %d operations failed", len(batch))
@@ -476,6 +504,8 @@ class SqliteStore:
             for op in batch:
                 settle(op.future, error)
         else:
+            if conn.total_changes != changes:  # a batch that wrote nothing proves no room
+                self._refusals.succeeded()
             self._jobs.put((_DURABLE, batch, results))
         # The connection is free again: what arrived meanwhile is the next batch (on the
         # next turn of the loop, not by recursion).
@@ -619,6 +649,7 @@ class SqliteStore:
     def _run_batch(self, conn: sqlite3.Connection, batch: list[_Op]) -> _Results:
         """On the thread: one whole transaction, waiting up to the timeout for the lock."""
         results: _Results = []
+        changes = conn.total_changes
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(self._timeout * 1000)}")
             try:
@@ -635,13 +666,24 @@ class SqliteStore:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
+            if conn.total_changes != changes:
+                self._refusals.succeeded()
         except sqlite3.Error as exc:
             self._failures.log(
                 "SQLite transaction failed, %d operations refused: %s", len(batch), exc
             )
+            self._refused(exc)
             error = _write_failed()
             results = [(op, error) for op in batch]
         return results
+
+    def _refused(self, exc: sqlite3.Error) -> None:
+        """Note a refusal for readiness when ``exc`` says the file cannot be written at
+        all (no room, a failing device, a read-only or damaged file), not when it is one
+        transaction's trouble (a lock held too long)."""
+        # Errors of the sqlite3 module itself carry no code.
+        if (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF in _REFUSING:
+            self._refusals.refused(str(exc))
 
     def _decide_in_transaction(
         self, conn: sqlite3.Connection, batch: list[_Op], results: _Results
