@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -723,3 +724,56 @@ def test_a_stop_while_the_store_is_being_opened_is_not_kept_waiting(
     stopped = [r for r in records if r["message"] == "stopped while the store was being opened"]
     assert [r["level"] for r in stopped] == ["WARNING"]
     assert "Traceback" not in log.read_text()
+
+
+@pytest.mark.parametrize(
+    ("signum", "status"), [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 0)]
+)
+def test_a_stop_signal_answers_the_request_in_flight_then_exits(
+    tmp_path: Path, signum: int, status: int
+) -> None:
+    """SIGTERM or SIGINT stops ``serve`` gracefully: no new connection is accepted, a
+    request whose body is still arriving is answered (its connection then closed), and
+    the store is closed. After SIGTERM the process ends by that signal, as uvicorn does
+    (status 143 in a shell); after SIGINT (Ctrl-C) it exits 0."""
+    log = tmp_path / "server.log"
+    server = start_server(f"sqlite:///{tmp_path}/graceful.db", log)
+    try:
+        ns = httpx.post(server.api + "/lease/namespace", json={}, timeout=5).json()["namespace"]
+        body = json.dumps({"namespace": ns, "key": "in-flight", "ttl_seconds": 60}).encode()
+        port = int(server.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body[:10]
+            )
+            deadline = time.monotonic() + 10
+            while (
+                "leasekeeper_requests_in_flight 2.0" not in httpx.get(server.url + "/metrics").text
+            ):
+                assert time.monotonic() < deadline  # (the /metrics request counts itself)
+                time.sleep(0.02)
+            server.process.send_signal(signum)
+            deadline = time.monotonic() + 10
+            while "Shutting down" not in log.read_text():
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.02)
+            with pytest.raises(ConnectionRefusedError):  # the listening socket is closed
+                socket.create_connection(("127.0.0.1", port), timeout=2).close()
+            sock.sendall(body[10:])
+            chunks = []
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+        answer = b"".join(chunks)
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 201"), answer
+        assert b"connection: close" in head.lower()
+        assert json.loads(payload)["owner_token"].startswith("own_")
+        assert server.process.wait(10) == status
+    finally:
+        server.stop()
+    assert "Application shutdown complete" in log.read_text()
+    with contextlib.closing(sqlite3.connect(tmp_path / "graceful.db")) as conn:
+        assert conn.execute("SELECT count(*) FROM leases").fetchone() == (1,)
