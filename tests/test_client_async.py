@@ -15,6 +15,7 @@ from leasekeeper import (
     AsyncLeaseClient,
     FakeClock,
     FingerprintConflict,
+    InternalError,
     LeaseError,
     LeaseHeld,
     LeaseLost,
@@ -421,6 +422,51 @@ class _CompleteFailsOnce(httpx.AsyncBaseTransport):
                 raise httpx.ReadTimeout("the answer was lost", request=request)
             raise httpx.ConnectError("reset", request=request)
         return await self.inner.handle_async_request(request)
+
+
+class _CompleteAnswered500Once(_CompleteFailsOnce):
+    """The first /lease/complete is answered 500 (``landed``: after the app stored it)."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/complete") and not self.failed:
+            self.failed = True
+            if self.landed:
+                await self.inner.handle_async_request(request)
+            return httpx.Response(500, json={"ok": False, "status": "internal", "error": "x"})
+        return await self.inner.handle_async_request(request)
+
+
+@pytest.mark.parametrize("landed", [False, True])
+def test_async_once_stores_the_result_through_a_500(
+    run_app: Callable[..., None], fake_time: FakeTime, landed: bool
+) -> None:
+    """As in the sync client: a 500 says nothing of whether the result was stored, so
+    the complete is tried again and the work runs once; a direct ``complete`` called
+    again after one finds its own result."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        flaky = _CompleteAnswered500Once(transport, landed=landed)
+        client = fake_client(flaky, fake_time)
+        namespace = await client.create_namespace()
+        calls: list[int] = []
+
+        @client.once(namespace, key="charge:16")
+        async def charge() -> int:
+            calls.append(1)
+            return 16
+
+        assert await charge() == 16
+        assert await charge() == 16
+        assert calls == [1] and flaky.failed
+
+        flaky.failed = False
+        async with client.lease(namespace, "charge:17") as lease:
+            with pytest.raises(InternalError):
+                await lease.complete(17)
+            assert await lease.complete(17) == 17
+        assert not lease.lost.is_set()
+
+    run_app(scenario)
 
 
 def test_async_once_finds_the_result_its_lost_answer_stored(

@@ -490,7 +490,9 @@ def test_a_signal_run_was_told_to_ignore_stays_ignored(cli: Cli, tmp_path: Path)
 def _failing_complete(cli: Cli, status: int, times: int) -> None:
     """Make the next ``times`` /lease/complete answers ``status`` refusals."""
     left = [times]
-    body = {408: {"status": "timeout"}, 400: {"status": "invalid"}}[status]
+    body = {408: {"status": "timeout"}, 400: {"status": "invalid"}, 500: {"status": "internal"}}[
+        status
+    ]
 
     def fault(request: httpx.Request) -> httpx.Response | None:
         if request.url.path.endswith("/complete") and left[0]:
@@ -504,13 +506,19 @@ def _failing_complete(cli: Cli, status: int, times: int) -> None:
 
 
 def test_run_complete_is_retried_and_a_failure_still_says_the_status(cli: Cli) -> None:
-    """Recording a status refused for a passing reason (408) is tried again; one that
-    cannot be stored is reported with the command's status, which is not lost."""
+    """Recording a status refused for a passing reason (408) or by a 500 is tried again;
+    one that cannot be stored is reported with the command's status, which is not lost."""
     _failing_complete(cli, 408, 1)
     result = cli("run", "--key", "r", "--complete", "--", "sh", "-c", "exit 6")
     assert result.exit_code == 6, result.output
     assert "storing the result failed (timeout" in result.stderr
     assert cli("acquire", "--key", "r").exit_code == EXIT_COMPLETED
+
+    _failing_complete(cli, 500, 1)  # a 500 says nothing of whether it was stored
+    result = cli("run", "--key", "r500", "--complete", "--", "sh", "-c", "exit 0")
+    assert result.exit_code == 0, result.output
+    assert "storing the result failed (internal" in result.stderr
+    assert cli("acquire", "--key", "r500").exit_code == EXIT_COMPLETED
 
     _failing_complete(cli, 400, 1)
     result = cli("run", "--key", "s", "--complete", "--", "sh", "-c", "exit 7")

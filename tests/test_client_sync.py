@@ -927,6 +927,67 @@ def test_once_finds_the_result_its_lost_answer_stored(
     assert calls == [1]
 
 
+@pytest.mark.parametrize("stored", [False, True], ids=["before storing", "after storing"])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        httpx.Response(500, json={"ok": False, "status": "internal", "error": "Internal error"}),
+        httpx.Response(200, content=b'{"ok": tru'),
+        httpx.Response(
+            409, content=b"<html>Conflict</html>", headers={"content-type": "text/html"}
+        ),
+    ],
+    ids=["500", "unreadable 200", "a proxy's 409"],
+)
+def test_once_stores_the_result_through_an_answer_that_says_nothing(
+    api: Any, fake_time: FakeTime, namespace: str, answer: httpx.Response, stored: bool
+) -> None:
+    """A complete answered by a 500, a 2xx that cannot be read or a 409 that is not the
+    service's, whether the service stored the result or not, does not say whether it
+    did: the complete is tried again, and the work is not done twice."""
+    left = [1]
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        if request.url.path.endswith("/complete") and left[0]:
+            left[0] -= 1
+            if stored:
+                bridge(api).handle_request(request)
+            return answer
+        return None
+
+    client = make_client(api, fake_time, fault=fault)
+    calls: list[int] = []
+
+    @client.once(namespace, key="charge:14", fingerprint="v1")
+    def charge() -> dict[str, int]:
+        calls.append(1)
+        return {"charged": 14}
+
+    assert charge() == {"charged": 14}
+    assert charge() == {"charged": 14}
+    assert calls == [1]
+    assert left == [0]
+
+
+def test_complete_called_again_after_an_unsure_answer_finds_its_own_result(
+    api: Any, fake_time: FakeTime, namespace: str
+) -> None:
+    """lease.complete() whose answer was lost (the result stored) raises, and stops the
+    renewals, which would be answered lost; called again, it finds the result this owner
+    stored instead of reporting the lease lost."""
+    client = make_client(api, fake_time, fault=answer_lost_after_complete(api))
+    told: list[LeaseLost] = []
+    with client.lease(namespace, "charge:15", ttl=30, on_lost=told.append) as lease:
+        with pytest.raises(ServiceUnreachable):
+            lease.complete({"charged": 15})
+        assert worker_of(lease).stopped
+        assert lease.complete({"charged": 15}) == {"charged": 15}
+        assert lease.completed
+    assert told == []
+    again = client.acquire(namespace, "charge:15")
+    assert isinstance(again, Completed) and again.result == {"charged": 15}
+
+
 def test_no_renewal_reports_lost_while_a_stored_complete_is_retried(
     api: Any, fake_time: FakeTime, namespace: str
 ) -> None:

@@ -21,12 +21,12 @@ from leasekeeper._errors import LeaseError, LeaseHeld, LeaseLost
 from leasekeeper.client._common import (
     NOT_OWNED,
     ONCE_LEASE,
-    PASSING,
     WAITABLE,
     OnWait,
     Wait,
     complete_deadline,
     complete_delay,
+    unsure_complete,
 )
 from leasekeeper.client._http import (
     DEFAULT_TIMEOUT,
@@ -248,7 +248,8 @@ class AsyncLeaseClient:
 
         As ``LeaseClient.once``: every caller gets the stored result, the function
         finds its ``AsyncHeldLease`` in ``current_lease()``, and a ``complete``
-        refused for a passing reason is tried again while the lease is held.
+        whose answer does not say whether it stored the result is tried again while
+        the lease is held.
         """
 
         def decorate(function: Callable[P, Awaitable[Any]]) -> Callable[P, Awaitable[Any]]:
@@ -284,12 +285,10 @@ class AsyncLeaseClient:
         attempt, deadline = 0, math.inf
         while True:
             try:
-                return await lease._complete(value, retried=attempt > 0)
-            except PASSING as error:
-                if attempt == 0 and lease.renewer is not None:
-                    # No renewals from here: one would race the retried complete, and be
-                    # answered lost (the key completed) if the first attempt stored it.
-                    await lease.renewer.stop()
+                return await lease.complete(value)  # stops the renewals when unsure
+            except LeaseError as error:
+                if not unsure_complete(error):
+                    raise
                 now = self._monotonic()  # after the stop, which may wait for a renewal
                 if attempt == 0:
                     deadline = complete_deadline(lease, now)
@@ -341,6 +340,8 @@ class AsyncHeldLease:
         self._callbacks: set[asyncio.Future[None]] = set()
         self._entered = False
         self._ended = False
+        #: A complete's answer did not say whether it stored the result (``complete``).
+        self._unsure = False
 
     def __repr__(self) -> str:
         state = (
@@ -452,13 +453,15 @@ class AsyncHeldLease:
             raise LeaseLost(error.error)
 
     async def complete(self, result: Any) -> Any:
-        """Store ``result`` and end ownership for good; returns the stored (redacted) result."""
-        return await self._complete(result, retried=False)
+        """Store ``result`` and end ownership for good; returns the stored (redacted) result.
+        As ``HeldLease.complete``, an unsure answer included."""
+        return await self._complete(result, retried=self._unsure)
 
     async def _complete(self, result: Any, *, retried: bool) -> Any:
         """As ``HeldLease._complete``."""
         if not retried:
             self.check()
+        unsure: LeaseError | None = None
         async with self._lock:
             try:
                 done: Completed | None = await self._client.complete(
@@ -467,6 +470,10 @@ class AsyncHeldLease:
             except LeaseLost as error:
                 done = await self._stored_by_us() if retried else None
                 lost: LeaseLost | None = error if done is None else None
+            except LeaseError as error:
+                if not unsure_complete(error):
+                    raise
+                done, lost, unsure, self._unsure = None, None, error, True
             else:
                 lost = None
             if done is not None:
@@ -476,7 +483,9 @@ class AsyncHeldLease:
             await self._lost(lost)
             raise lost
         if self.renewer is not None:
-            await self.renewer.stop()
+            await self.renewer.stop()  # after an unsure answer too: as HeldLease
+        if unsure is not None:
+            raise unsure
         return self.result
 
     async def _stored_by_us(self) -> Completed | None:

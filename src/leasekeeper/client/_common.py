@@ -10,11 +10,13 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from leasekeeper._errors import (
+    LeaseConflict,
     LeaseError,
     LeaseHeld,
     LeaseLost,
     RateLimited,
     RequestTimeout,
+    ServerError,
     ServiceUnavailable,
 )
 from leasekeeper.client._timing import acquire_delay
@@ -26,7 +28,6 @@ if TYPE_CHECKING:
 __all__ = [
     "NOT_OWNED",
     "ONCE_LEASE",
-    "PASSING",
     "WAITABLE",
     "OnLost",
     "OnWait",
@@ -34,6 +35,7 @@ __all__ = [
     "complete_deadline",
     "complete_delay",
     "current_lease",
+    "unsure_complete",
 ]
 
 log = logging.getLogger("leasekeeper.client")
@@ -48,8 +50,20 @@ Wait = float | timedelta | None
 #: What ``wait=`` retries: a held key, a busy or unavailable service, a request the
 #: service did not receive in time (408).
 WAITABLE = (LeaseHeld, RateLimited, ServiceUnavailable, RequestTimeout)
-#: A refused ``complete`` that ``once`` tries again while its lease is held.
-PASSING = (ServiceUnavailable, RateLimited, RequestTimeout)
+
+
+def unsure_complete(error: LeaseError) -> bool:
+    """Whether a ``complete`` that raised ``error`` may be tried again: an answer that is
+    not the service's decision on it. A passing refusal (503 or no answer at all, 429,
+    408), a fault of the service (a 500, a 2xx that cannot be read), or a 409 in none of
+    the service's words (a proxy's page). Any of them may have come after the result was
+    stored; the retry is then answered ``lost`` and finds the result its own
+    (``_stored_by_us``), so retrying is safe, and the work is not done again."""
+    return isinstance(error, (ServerError, RateLimited, RequestTimeout)) or (
+        type(error) is LeaseConflict
+    )
+
+
 #: The lease of the ``once`` call running in this context (``current_lease``).
 ONCE_LEASE: contextvars.ContextVar[HeldLease | AsyncHeldLease] = contextvars.ContextVar(
     "leasekeeper_once_lease"

@@ -24,13 +24,13 @@ from leasekeeper._errors import (
 from leasekeeper.client._common import (
     NOT_OWNED,
     ONCE_LEASE,
-    PASSING,
     WAITABLE,
     OnLost,
     OnWait,
     Wait,
     complete_deadline,
     complete_delay,
+    unsure_complete,
 )
 from leasekeeper.client._http import (
     DEFAULT_TIMEOUT,
@@ -271,8 +271,9 @@ class LeaseClient:
         Inside the function ``current_lease()`` is its ``HeldLease``: a worker paused
         past its TTL loses the lease and another caller may run the function, so check
         it before side effects and send its ``fencing_token`` with writes. A
-        ``complete`` refused for a passing reason (unavailable, unreachable, 429, 408)
-        is tried again while the lease is held; a return value that cannot be stored
+        ``complete`` whose answer does not say whether it stored the result
+        (``unsure_complete``: unavailable, unreachable, 429, 408, a 500, an unreadable
+        answer) is tried again while the lease is held; a return value that cannot be stored
         (not JSON: ``TypeError``; over 32 KiB: ``PayloadTooLarge``) raises after the
         function ran, and the next caller runs it again.
         """
@@ -306,17 +307,16 @@ class LeaseClient:
         return decorate
 
     def _complete_once(self, lease: HeldLease, value: Any) -> Any:
-        """``lease.complete(value)``, tried again after a passing refusal (``PASSING``)
-        while the lease is held, so that work done is not done again for a blip."""
+        """``lease.complete(value)``, tried again while the lease is held after an answer
+        that does not say whether it was stored (``unsure_complete``), so that work done
+        is not done again for a blip."""
         attempt, deadline = 0, math.inf
         while True:
             try:
-                return lease._complete(value, retried=attempt > 0)
-            except PASSING as error:
-                if attempt == 0 and lease.renewer is not None:
-                    # No renewals from here: one would race the retried complete, and be
-                    # answered lost (the key completed) if the first attempt stored it.
-                    lease.renewer.stop()
+                return lease.complete(value)  # stops the renewals when unsure
+            except LeaseError as error:
+                if not unsure_complete(error):
+                    raise
                 now = self._monotonic()  # after the stop, which may wait for a renewal
                 if attempt == 0:
                     deadline = complete_deadline(lease, now)
@@ -381,6 +381,8 @@ class HeldLease:
         self._lost_lock = threading.Lock()
         self._entered = False
         self._ended = False  # this object ended ownership (completed, released, exited)
+        #: A complete's answer did not say whether it stored the result (``complete``).
+        self._unsure = False
 
     def __repr__(self) -> str:
         state = (
@@ -501,9 +503,13 @@ class HeldLease:
         """Store ``result`` and end ownership for good; returns the stored (redacted) result.
 
         A result over 32 KiB raises ``PayloadTooLarge`` and leaves the lease held
-        and renewed; a lost lease raises ``LeaseLost``.
+        and renewed; a lost lease raises ``LeaseLost``. An error that does not say
+        whether the result was stored (the service unavailable or unreachable, a 500,
+        an answer that cannot be read) stops the renewals, as a renewal would be
+        answered lost if it was; call ``complete`` again, before the lease expires, to
+        find out: a result this owner stored is then returned, not refused.
         """
-        return self._complete(result, retried=False)
+        return self._complete(result, retried=self._unsure)
 
     def _complete(self, result: Any, *, retried: bool) -> Any:
         """``complete``; ``retried`` when an earlier attempt's answer was lost, so that it
@@ -511,6 +517,7 @@ class HeldLease:
         a ``lost`` is looked into (``_stored_by_us``) before it is believed."""
         if not retried:
             self.check()
+        unsure: LeaseError | None = None
         with self._lock:
             try:
                 done: Completed | None = self._client.complete(
@@ -519,6 +526,10 @@ class HeldLease:
             except LeaseLost as error:
                 done = self._stored_by_us() if retried else None
                 lost: LeaseLost | None = error if done is None else None
+            except LeaseError as error:
+                if not unsure_complete(error):
+                    raise
+                done, lost, unsure, self._unsure = None, None, error, True
             else:
                 lost = None
             if done is not None:
@@ -528,7 +539,11 @@ class HeldLease:
             self._lost(lost)
             raise lost
         if self.renewer is not None:
+            # After an unsure answer too: a renewal would race the retried complete, and
+            # be answered lost (the key completed) if the first attempt stored it.
             self.renewer.stop()
+        if unsure is not None:
+            raise unsure
         return self.result
 
     def _stored_by_us(self) -> Completed | None:
