@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -401,6 +402,37 @@ def test_async_once_runs_once_across_tasks(run_app: Callable[..., None]) -> None
             results = await asyncio.gather(first, job(7), job(7))
             assert results == [{"n": 7}] * 3
             assert calls == [7]
+
+    run_app(scenario)
+
+
+class _RenewAnswersAnotherFence(httpx.AsyncBaseTransport):
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        answer = await self.inner.handle_async_request(request)
+        if not request.url.path.endswith("/renew"):
+            return answer
+        body = json.loads(await answer.aread())
+        return httpx.Response(200, json={**body, "fencing_token": body["fencing_token"] + 100})
+
+
+def test_async_renewal_answered_with_another_fencing_token_is_lost(
+    run_app: Callable[..., None], fake_time: FakeTime
+) -> None:
+    """As in the sync client: lost, and the lease's token unchanged."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        client = fake_client(_RenewAnswersAnotherFence(transport), fake_time)
+        namespace = await client.create_namespace()
+        async with client.lease(namespace, "fence-changed", ttl=30) as lease:
+            fence = lease.fencing_token
+            assert lease.renewer is not None
+            assert not await lease.renewer.step()
+            assert lease.lost.is_set() and lease.fencing_token == fence
+            assert lease.lost_error is not None
+            assert "another fencing token" in lease.lost_error.error
 
     run_app(scenario)
 

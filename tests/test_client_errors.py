@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import httpx
 import pytest
@@ -239,3 +240,48 @@ def test_a_success_with_fields_no_service_would_send_is_internal_in_both_clients
                 await client.complete(None, "k" * 40, token, None)
 
     asyncio.run(scenario())
+
+
+_GOOD_LEASE = {
+    "ok": True,
+    "status": "held",
+    "fencing_token": 7,
+    "ttl_seconds": 60,
+    "lease_expires_at_timestamp": 1_788_602_460,
+    "absolute_expires_at_timestamp": 1_788_688_800,
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "change", "field"),
+    [
+        ("/lease/renew", {"fencing_token": 0}, "fencing_token"),
+        ("/lease/renew", {"fencing_token": -5}, "fencing_token"),
+        ("/lease/renew", {"fencing_token": 2**63}, "fencing_token"),
+        ("/lease/renew", {"ttl_seconds": -1}, "ttl_seconds"),
+        ("/lease/release", {"status": "released", "fencing_token": 2**70}, "fencing_token"),
+        (
+            "/lease/complete",
+            {"status": "completed", "result": 1, "completed_at": "2026-01-01T00:00:00"},
+            "completed_at",
+        ),
+    ],
+    ids=["fence 0", "fence -5", "fence 2**63", "ttl -1", "fence 2**70", "time without zone"],
+)
+def test_values_the_service_never_sends_are_internal(
+    path: str, change: dict[str, Any], field: str
+) -> None:
+    """A fencing token outside 1..2**63-1 (the protected system would compare it), a
+    negative TTL, or a time without its zone (read as this machine's local time, it
+    would be hours off) is not taken as the service's answer."""
+    body = {**_GOOD_LEASE, "absolute_expires_at": "2026-09-06T10:00:00Z", **change}
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, json=body))
+    token = "own_" + "a" * 43
+    with LeaseClient("http://lk.test", transport=transport) as client:
+        call = {
+            "/lease/renew": lambda: client.renew(None, "k" * 40, token),
+            "/lease/release": lambda: client.release(None, "k" * 40, token),
+            "/lease/complete": lambda: client.complete(None, "k" * 40, token, 1),
+        }[path]
+        with pytest.raises(InternalError, match=f"'{field}'"):
+            call()

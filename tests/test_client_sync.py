@@ -374,6 +374,34 @@ def test_a_408_on_a_renewal_is_retried_not_lost(
         lease.check()
 
 
+def test_a_renewal_answered_with_another_fencing_token_is_lost(
+    api: Any, fake_time: FakeTime, namespace: str
+) -> None:
+    """The service keeps the fence on a renewal; an answer with another one (misrouted,
+    or broken) cannot prove ownership: the lease is lost, and its token is not changed
+    (a higher one would beat the real newer owner at a FenceGuard)."""
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        if request.url.path.endswith("/renew"):
+            answer = bridge(api).handle_request(request)
+            body = answer.json()
+            return httpx.Response(200, json={**body, "fencing_token": body["fencing_token"] + 100})
+        return None
+
+    client = make_client(api, fake_time, fault=fault)
+    told: list[LeaseLost] = []
+    with client.lease(namespace, KEY, ttl=30, on_lost=told.append) as lease:
+        fence = lease.fencing_token
+        assert not worker_of(lease).step()
+        assert lease.lost.is_set() and lease.fencing_token == fence
+        assert [error.error for error in told] == [
+            "A renewal was answered with another fencing token than the lease's: "
+            "ownership can no longer be proven"
+        ]
+        with pytest.raises(LeaseLost):
+            lease.check()
+
+
 def test_acquire_raises_lease_held_when_the_wait_is_over(
     client: LeaseClient, namespace: str, fake_time: FakeTime
 ) -> None:

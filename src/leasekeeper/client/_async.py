@@ -19,6 +19,7 @@ import httpx
 from leasekeeper._clock import elapsed_seconds
 from leasekeeper._errors import LeaseError, LeaseHeld, LeaseLost
 from leasekeeper.client._common import (
+    FENCE_CHANGED,
     NOT_OWNED,
     ONCE_LEASE,
     WAITABLE,
@@ -530,9 +531,12 @@ class AsyncHeldLease:
             if self._ended or self.lost.is_set() or self._renewal_stopped():
                 return None
             async with deadline():  # entered once the lock is held, as in the sync client
-                self.grant = await self._client._renew(
+                renewed = await self._client._renew(
                     self._namespace, self._key, self._token(), self._ttl, request_seconds
                 )
+            if self.grant is not None and renewed.fencing_token != self.grant.fencing_token:
+                raise LeaseLost(FENCE_CHANGED)
+            self.grant = renewed
             return self.grant.ttl_seconds
 
     def _set_lost(self, error: LeaseLost) -> bool:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from leasekeeper.client._sync import HeldLease
 
 __all__ = [
+    "FENCE_CHANGED",
     "NOT_OWNED",
     "ONCE_LEASE",
     "WAITABLE",
@@ -101,6 +102,13 @@ def complete_delay(error: LeaseError, attempt: int, remaining: float, rand: floa
         )
     return delay
 
+
+#: A renewal answered with a fencing token other than the lease's (the service keeps it on
+#: a renewal): a misrouted or broken answer, after which ownership cannot be proven.
+FENCE_CHANGED = (
+    "A renewal was answered with another fencing token than the lease's: "
+    "ownership can no longer be proven"
+)
 
 NOT_OWNED = (
     "The work on this key was completed before this lease was entered: "

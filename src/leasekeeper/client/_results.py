@@ -71,11 +71,30 @@ def _from_timestamp(name: str, seconds: int) -> datetime:
 
 
 def _iso_field(body: dict[str, Any], name: str) -> datetime:
-    # The service writes YYYY-MM-DDTHH:MM:SSZ; fromisoformat reads the Z since 3.11.
+    # The service writes YYYY-MM-DDTHH:MM:SSZ; fromisoformat reads the Z since 3.11. A
+    # time without its zone would be read as this machine's local time: refused.
     try:
-        return datetime.fromisoformat(_field(body, name, str)).astimezone(UTC)
+        parsed = datetime.fromisoformat(_field(body, name, str))
+        if parsed.tzinfo is None:
+            raise ValueError(name)
+        return parsed.astimezone(UTC)
     except (OverflowError, ValueError):
         raise InternalError(f"The service's response lacks a valid {name!r}") from None
+
+
+def _ttl(body: dict[str, Any]) -> int:
+    seconds: int = _field(body, "ttl_seconds", int)
+    if seconds < 0:
+        raise InternalError("The service's response lacks a valid 'ttl_seconds'")
+    return seconds
+
+
+def _fence(body: dict[str, Any]) -> int:
+    """The fencing token: an integer from 1 to 2**63 - 1, as the service hands out."""
+    token: int = _field(body, "fencing_token", int)
+    if not 0 < token < 2**63:
+        raise InternalError("The service's response lacks a valid 'fencing_token'")
+    return token
 
 
 def _field(body: dict[str, Any], name: str, kind: type) -> Any:
@@ -92,8 +111,8 @@ def parse_lease(body: dict[str, Any], owner_token: str | None = None) -> Lease:
     absolute_ts = _field(body, "absolute_expires_at_timestamp", int)
     return Lease(
         owner_token=token,
-        fencing_token=_field(body, "fencing_token", int),
-        ttl_seconds=_field(body, "ttl_seconds", int),
+        fencing_token=_fence(body),
+        ttl_seconds=_ttl(body),
         lease_expires_at=_from_timestamp("lease_expires_at_timestamp", lease_ts),
         lease_expires_at_timestamp=lease_ts,
         absolute_expires_at=_from_timestamp("absolute_expires_at_timestamp", absolute_ts),
@@ -108,7 +127,7 @@ def parse_completed(body: dict[str, Any]) -> Completed:
         raise InternalError("The service's response lacks 'result'")
     return Completed(
         result=body["result"],
-        fencing_token=_field(body, "fencing_token", int),
+        fencing_token=_fence(body),
         completed_at=_iso_field(body, "completed_at"),
         absolute_expires_at=_iso_field(body, "absolute_expires_at"),
         body=body,
@@ -132,4 +151,4 @@ def parse_namespace(body: dict[str, Any]) -> str:
 
 def parse_released(body: dict[str, Any]) -> Released:
     """A ``Released`` from a release body."""
-    return Released(fencing_token=_field(body, "fencing_token", int), body=body)
+    return Released(fencing_token=_fence(body), body=body)

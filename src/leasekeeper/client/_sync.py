@@ -22,6 +22,7 @@ from leasekeeper._errors import (
     LeaseLost,
 )
 from leasekeeper.client._common import (
+    FENCE_CHANGED,
     NOT_OWNED,
     ONCE_LEASE,
     WAITABLE,
@@ -596,9 +597,12 @@ class HeldLease:
             if self._ended or self.lost.is_set() or self._renewal_stopped():
                 return None
             with deadline():
-                self.grant = self._client._renew(
+                renewed = self._client._renew(
                     self._namespace, self._key, self._token(), self._ttl, request_seconds
                 )
+            if self.grant is not None and renewed.fencing_token != self.grant.fencing_token:
+                raise LeaseLost(FENCE_CHANGED)
+            self.grant = renewed
             return self.grant.ttl_seconds
 
     def _lost(self, error: LeaseLost) -> None:
