@@ -11,7 +11,12 @@ import pytest
 from leasekeeper import AsyncLeaseClient, LeaseClient
 from leasekeeper._clock import elapsed_seconds
 from leasekeeper.client import RenewalPlan
-from leasekeeper.client._timing import MAX_POLL_SECONDS, acquire_delay, as_seconds
+from leasekeeper.client._timing import (
+    MAX_HOLD_OFF_SECONDS,
+    MAX_POLL_SECONDS,
+    acquire_delay,
+    as_seconds,
+)
 
 
 def test_as_seconds_accepts_numbers_timedeltas_none_and_infinity() -> None:
@@ -42,6 +47,15 @@ def test_a_limit_or_an_outage_waits_at_least_retry_after() -> None:
     assert delays == [3, 3, 3, 3, 4.0, 8.0]
     assert acquire_delay(0, 3, 1000, 0.999, held=False) == pytest.approx(3.6, abs=0.01)
     assert acquire_delay(0, 3, 1.5, 0.0, held=False) == 1.5  # the deadline still bounds it
+
+
+def test_a_retry_after_no_service_means_is_obeyed_for_300_s_at_most() -> None:
+    """A proxy's Retry-After of a year (or a day) does not put a waiting worker to sleep
+    for that long: the hold-off is at most MAX_HOLD_OFF_SECONDS, plus the jitter."""
+    assert MAX_HOLD_OFF_SECONDS == 300
+    assert acquire_delay(0, 999_999_999, math.inf, 0.0, held=False) == 300
+    assert acquire_delay(0, 86_400, math.inf, 0.999, held=False) == pytest.approx(360, abs=0.1)
+    assert acquire_delay(0, 299, math.inf, 0.0, held=False) == 299
 
 
 def test_jitter_only_lengthens_the_wait() -> None:

@@ -12,6 +12,7 @@ from datetime import timedelta
 
 __all__ = [
     "FIRST_POLL_SECONDS",
+    "MAX_HOLD_OFF_SECONDS",
     "MAX_POLL_SECONDS",
     "MIN_RETRY_SECONDS",
     "RenewalPlan",
@@ -23,6 +24,9 @@ __all__ = [
 FIRST_POLL_SECONDS = 0.25
 #: The longest single wait, so an early release or completion is seen soon enough.
 MAX_POLL_SECONDS = 30.0
+#: The longest ``Retry-After`` a 429 or 503 is obeyed for: a proxy's header can say a
+#: year, and a worker waiting for ever would then sleep that long.
+MAX_HOLD_OFF_SECONDS = 300.0
 #: The shortest pause between two renewal attempts after a failure.
 MIN_RETRY_SECONDS = 0.1
 #: Jitter added to a wait, as a fraction of it, so waiting workers spread out.
@@ -54,16 +58,21 @@ def acquire_delay(
     it rather than all at once on it. A rate limit or an
     unavailable service (``held=False``) means what HTTP's ``Retry-After`` means:
     the wait is at least ``retry_after``, so waiting workers do not press a service
-    that asked them to hold off. The last attempt lands on the deadline::
+    that asked them to hold off, up to ``MAX_HOLD_OFF_SECONDS``. The last attempt
+    lands on the deadline::
 
         attempt   0     1     2     3 ...
         wait    0.25  0.5   1.0   2.0 ...  held: capped by retry_after, 30 s, remaining
-                                           else: at least retry_after; capped by remaining
+                                           else: at least retry_after (at most 300 s);
+                                                 capped by remaining
     """
     if remaining <= 0:
         return None
     base = min(FIRST_POLL_SECONDS * 2.0 ** min(attempt, 16), MAX_POLL_SECONDS)
-    base = min(base, retry_after) if held else max(base, retry_after)
+    if held:
+        base = min(base, retry_after)
+    else:
+        base = max(base, min(retry_after, MAX_HOLD_OFF_SECONDS))
     return min(base * (1.0 + JITTER * rand), remaining)
 
 
