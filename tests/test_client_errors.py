@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -28,7 +29,7 @@ from leasekeeper import (
     StaleFence,
 )
 from leasekeeper._errors import error_from_body
-from leasekeeper.client._http import read_response
+from leasekeeper.client._http import MAX_RESPONSE_BYTES, read_response
 
 SERVICE_ERRORS: list[LeaseError] = [
     InvalidRequest("ttl_seconds must be an integer from 1 to 86400"),
@@ -79,7 +80,7 @@ def test_a_retry_after_header_of_any_text_gives_a_wait(header: str, expected: in
         headers={"Retry-After": header.encode("latin-1")},
     )
     with pytest.raises(ServiceUnavailable) as raised:
-        read_response(response)
+        read_response(response, response.content)
     assert raised.value.retry_after == expected
 
 
@@ -285,3 +286,77 @@ def test_values_the_service_never_sends_are_internal(
         }[path]
         with pytest.raises(InternalError, match=f"'{field}'"):
             call()
+
+
+def test_an_answer_larger_than_any_the_service_sends_is_not_read_whole() -> None:
+    """A wrong URL serving a download: reading stops past MAX_RESPONSE_BYTES with an
+    InternalError, rather than hold hundreds of megabytes (both clients)."""
+    sent: list[int] = []
+
+    def chunks() -> Iterator[bytes]:
+        for _ in range(10_000):  # 640 MB, were it read whole
+            sent.append(1)
+            yield b"x" * 65_536
+
+    async def achunks() -> AsyncIterator[bytes]:
+        for chunk in chunks():
+            yield chunk
+
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=chunks()))
+    with (
+        LeaseClient("http://lk.test", transport=transport) as client,
+        pytest.raises(InternalError, match="larger than any"),
+    ):
+        client.create_namespace()
+    assert len(sent) == MAX_RESPONSE_BYTES // 65_536 + 1
+
+    sent.clear()
+
+    async def scenario() -> None:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=achunks()))
+        async with AsyncLeaseClient("http://lk.test", transport=transport) as client:
+            with pytest.raises(InternalError, match="larger than any"):
+                await client.create_namespace()
+
+    asyncio.run(scenario())
+    assert len(sent) == MAX_RESPONSE_BYTES // 65_536 + 1
+
+
+def test_an_answer_still_arriving_after_the_timeout_is_given_up_on() -> None:
+    """httpx's timeout bounds each read: a server sending its answer a byte at a time
+    would hold a call for as long as it likes. The client's timeout bounds the whole
+    answer (sync: checked as each piece arrives, on the client's clock; async: the
+    whole exchange under ``asyncio.timeout``)."""
+    now = [0.0]
+    sent: list[int] = []
+
+    def trickle() -> Iterator[bytes]:
+        for byte in b'{"ok":true,"namespace":"ns_x"}':
+            now[0] += 1.0  # a second a byte
+            sent.append(byte)
+            yield bytes([byte])
+
+    transport = httpx.MockTransport(lambda request: httpx.Response(503, content=trickle()))
+    with (
+        LeaseClient(
+            "http://lk.test", transport=transport, timeout=3, monotonic=lambda: now[0]
+        ) as client,
+        pytest.raises(ServiceUnreachable, match="did not arrive in time"),
+    ):
+        client.create_namespace()
+    assert len(sent) == 4  # the first byte after the deadline ends it
+
+    async def scenario() -> None:
+        never = asyncio.Event()
+
+        async def stalls() -> AsyncIterator[bytes]:
+            yield b'{"ok":'
+            await never.wait()
+            yield b"true}"
+
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=stalls()))
+        async with AsyncLeaseClient("http://lk.test", transport=transport, timeout=0.1) as client:
+            with pytest.raises(ServiceUnreachable, match="did not arrive in time"):
+                await client.create_namespace()
+
+    asyncio.run(scenario())

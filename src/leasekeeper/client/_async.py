@@ -17,7 +17,7 @@ from typing import Any, ParamSpec
 import httpx
 
 from leasekeeper._clock import elapsed_seconds
-from leasekeeper._errors import LeaseError, LeaseHeld, LeaseLost
+from leasekeeper._errors import LeaseError, LeaseHeld, LeaseLost, ServiceUnreachable
 from leasekeeper.client._common import (
     FENCE_CHANGED,
     NOT_OWNED,
@@ -32,6 +32,7 @@ from leasekeeper.client._common import (
 from leasekeeper.client._http import (
     DEFAULT_TIMEOUT,
     HEADERS,
+    BodyReader,
     encode,
     http_root,
     lease_body,
@@ -117,20 +118,28 @@ class AsyncLeaseClient:
         self, route: str, body: dict[str, Any], request_seconds: float | None = None
     ) -> Any:
         content = encode(body)
+        url = self._prefix + route
+        # As in LeaseClient._post: timeouts only on our own client, and the request's time
+        # bounds the whole exchange, here with asyncio.timeout (the head included).
+        seconds = self.timeout if request_seconds is None else request_seconds
+        owned = self._owns_http
+        reader = BodyReader(None, self._monotonic)
         try:
-            # A shorter timeout only on our own client: an injected one keeps its settings
-            # (Starlette's TestClient, for one, refuses a per-request timeout).
-            if request_seconds is None or not self._owns_http:
-                response = await self._http.post(
-                    self._prefix + route, content=content, headers=HEADERS
-                )
-            else:
-                response = await self._http.post(
-                    self._prefix + route, content=content, headers=HEADERS, timeout=request_seconds
-                )
+            async with asyncio.timeout(seconds if owned else None):
+                if request_seconds is None or not owned:
+                    streamed = self._http.stream("POST", url, content=content, headers=HEADERS)
+                else:
+                    streamed = self._http.stream(
+                        "POST", url, content=content, headers=HEADERS, timeout=request_seconds
+                    )
+                async with streamed as response:
+                    async for chunk in response.aiter_bytes():
+                        reader.add(chunk)
         except httpx.RequestError as exc:  # no answer, or none that could be read
             raise unreachable(exc) from exc
-        return read_response(response)
+        except TimeoutError:
+            raise ServiceUnreachable("The lease service's answer did not arrive in time") from None
+        return read_response(response, reader.content())
 
     async def create_namespace(self) -> str:
         """Mint a namespace: a 256-bit bearer secret. Keep it; nobody can recover it."""

@@ -9,6 +9,7 @@ returned, anything else becomes an exception of the one tree through
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -16,6 +17,7 @@ import httpx
 from leasekeeper._core.validation import check_tree, json_failure
 from leasekeeper._errors import (
     MAX_RETRY_AFTER,
+    InternalError,
     InvalidRequest,
     LeaseError,
     ServiceUnreachable,
@@ -27,6 +29,8 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "DEFAULT_URL",
     "HEADERS",
+    "MAX_RESPONSE_BYTES",
+    "BodyReader",
     "api_root",
     "decode",
     "encode",
@@ -42,6 +46,11 @@ DEFAULT_URL = "http://127.0.0.1:8787"
 #: Seconds for one request; a renewal uses less when the lease expires sooner.
 DEFAULT_TIMEOUT = 10.0
 HEADERS = {"content-type": "application/json", "accept": "application/json"}
+
+#: The largest response body read. The service's largest answer is a stored result of
+#: 32 KiB (up to six times that once escaped) and a few fields; anything larger is not
+#: its answer (a wrong URL serving a download), and is not read into memory.
+MAX_RESPONSE_BYTES = 1 << 20
 
 #: Absent a value, these fields are left out of the body (the service's defaults apply).
 _OPTIONAL = ("namespace", "ttl_seconds", "fingerprint")
@@ -180,10 +189,36 @@ def _retry_after(response: httpx.Response) -> int | None:
     return int(significant) if len(significant) <= len(str(MAX_RETRY_AFTER)) else None
 
 
-def read_response(response: httpx.Response) -> dict[str, Any]:
-    """The body of a successful response, or raise the error the response describes."""
+class BodyReader:
+    """Gathers a response body as it arrives, chunk by chunk: ``InternalError`` past
+    ``MAX_RESPONSE_BYTES``, and ``ServiceUnreachable`` for a chunk that arrives after
+    ``deadline`` (``monotonic`` seconds; None: no deadline). httpx's timeout bounds each
+    read, not the whole answer: a server sending a byte at a time would hold the caller
+    for as long as it likes."""
+
+    def __init__(self, deadline: float | None, monotonic: Callable[[], float]) -> None:
+        self._deadline = deadline
+        self._monotonic = monotonic
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    def add(self, chunk: bytes) -> None:
+        self._size += len(chunk)
+        if self._size > MAX_RESPONSE_BYTES:
+            raise InternalError("The response is larger than any the lease service sends")
+        if self._deadline is not None and self._monotonic() > self._deadline:
+            raise ServiceUnreachable("The lease service's answer did not arrive in time")
+        self._parts.append(chunk)
+
+    def content(self) -> bytes:
+        return b"".join(self._parts)
+
+
+def read_response(response: httpx.Response, content: bytes) -> dict[str, Any]:
+    """The body of a successful response (its ``content`` read by a ``BodyReader``), or
+    raise the error the response describes."""
     try:
-        parsed = decode(response.content)
+        parsed = decode(content)
     except ValueError:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         parsed = None
     body: dict[str, Any] | None = parsed if isinstance(parsed, dict) else None

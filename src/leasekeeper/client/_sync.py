@@ -36,6 +36,7 @@ from leasekeeper.client._common import (
 from leasekeeper.client._http import (
     DEFAULT_TIMEOUT,
     HEADERS,
+    BodyReader,
     encode,
     http_root,
     lease_body,
@@ -124,18 +125,26 @@ class LeaseClient:
 
     def _post(self, route: str, body: dict[str, Any], request_seconds: float | None = None) -> Any:
         content = encode(body)
+        url = self._prefix + route
+        # Timeouts only on our own client: an injected one keeps its settings (Starlette's
+        # TestClient, for one, refuses a per-request timeout). The request's time bounds
+        # the whole answer's arrival too, not only each read (``BodyReader``).
+        seconds = self.timeout if request_seconds is None else request_seconds
+        owned = self._owns_http
+        reader = BodyReader(self._monotonic() + seconds if owned else None, self._monotonic)
         try:
-            # A shorter timeout only on our own client: an injected one keeps its settings
-            # (Starlette's TestClient, for one, refuses a per-request timeout).
-            if request_seconds is None or not self._owns_http:
-                response = self._http.post(self._prefix + route, content=content, headers=HEADERS)
+            if request_seconds is None or not owned:
+                streamed = self._http.stream("POST", url, content=content, headers=HEADERS)
             else:
-                response = self._http.post(
-                    self._prefix + route, content=content, headers=HEADERS, timeout=request_seconds
+                streamed = self._http.stream(
+                    "POST", url, content=content, headers=HEADERS, timeout=request_seconds
                 )
+            with streamed as response:
+                for chunk in response.iter_bytes():
+                    reader.add(chunk)
         except httpx.RequestError as exc:  # no answer, or none that could be read
             raise unreachable(exc) from exc
-        return read_response(response)
+        return read_response(response, reader.content())
 
     def create_namespace(self) -> str:
         """Mint a namespace: a 256-bit bearer secret. Keep it; nobody can recover it."""
