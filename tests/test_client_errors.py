@@ -360,3 +360,41 @@ def test_an_answer_still_arriving_after_the_timeout_is_given_up_on() -> None:
                 await client.create_namespace()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"ok": False, "status": "held", "error": "Lease is held", "retry_after_seconds": 3},
+        {"ok": "true", "status": "held"},
+        {"status": "lost", "error": "x"},
+    ],
+    ids=["ok false", "ok a string", "no ok"],
+)
+def test_a_success_that_is_not_ok_is_internal_not_the_error_it_names(body: dict[str, Any]) -> None:
+    """Every refusal of the service is a 4xx or 5xx; a 2xx in its words but not its
+    shape was not meant, and is not read as the refusal its status word names (a
+    LeaseHeld with no fencing token, say)."""
+    response = httpx.Response(200, json=body)
+    with pytest.raises(InternalError, match="not one it sends"):
+        read_response(response, response.content)
+
+
+def test_a_result_nested_past_what_python_can_write_is_a_type_error() -> None:
+    """As any other result that cannot be stored: TypeError before anything is sent,
+    not a RecursionError."""
+    deep: list[Any] = []
+    for _ in range(100_000):
+        deep = [deep]
+    sent: list[httpx.Request] = []
+
+    def record(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(500)
+
+    with (
+        LeaseClient("http://lk.test", transport=httpx.MockTransport(record)) as client,
+        pytest.raises(TypeError, match="nested too deeply"),
+    ):
+        client.complete(None, "k" * 40, "own_" + "a" * 43, deep)
+    assert sent == []

@@ -120,6 +120,8 @@ def encode(body: dict[str, Any]) -> bytes:
         return text.encode("utf-8")
     except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
         raise TypeError(f"The request body is not JSON-serializable: {_why(exc)}") from None
+    except RecursionError:  # the service takes 64 levels; this is thousands
+        raise TypeError("The request body is not JSON-serializable: nested too deeply") from None
 
 
 def _no_constant(name: str) -> Any:
@@ -222,8 +224,12 @@ def read_response(response: httpx.Response, content: bytes) -> dict[str, Any]:
     except ValueError:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         parsed = None
     body: dict[str, Any] | None = parsed if isinstance(parsed, dict) else None
-    if response.is_success and body is not None and body.get("ok") is True:
-        return body
+    if response.is_success:
+        if body is not None and body.get("ok") is True:
+            return body
+        # The service answers every refusal with a 4xx or 5xx: a success that is not
+        # ok (a proxy's page, a body in its words but not its shape) was not meant.
+        raise InternalError("The service's response to this request is not one it sends")
     raise error_from_body(
         body, http_status=response.status_code, retry_after=_retry_after(response)
     )
