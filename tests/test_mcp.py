@@ -244,6 +244,35 @@ async def test_full_flow_in_memory(service: LeaseService, mode: str) -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("seconds", "noun", "adjective"),
+    [
+        (86_400, "24 hours", "24-hour"),
+        (8, "8 seconds", "8-second"),
+        (3_600, "1 hour", "1-hour"),
+        (604_800, "7 days", "7-day"),
+        (90, "90 seconds", "90-second"),
+    ],
+)
+async def test_the_texts_quote_the_configured_lifecycle(
+    clock: FakeClock, seconds: int, noun: str, adjective: str
+) -> None:
+    """What the instructions and tool texts tell an agent about how long a result is
+    kept follows LEASEKEEPER_LIFECYCLE_SECONDS, not the default's 24 hours."""
+    service = LeaseService(MemoryStore(clock), lifecycle_seconds=seconds)
+    async with Client(create_mcp_server(service)) as client:
+        tools = {tool.name: tool for tool in (await client.list_tools()).tools}
+        instructions = client.instructions
+    assert instructions is not None and f"kept for {noun} " in instructions
+    complete = tools["complete_lease"].description
+    assert complete is not None and f"({noun} after its first acquire)" in complete
+    fingerprint = tools["acquire_lease"].input_schema["properties"]["fingerprint"]
+    assert f"for the key's {adjective} lifecycle" in fingerprint["description"]
+    texts = instructions + "".join(tool.model_dump_json() for tool in tools.values())
+    assert seconds == 86_400 or ("24 hours" not in texts and "24-hour" not in texts)
+
+
+@pytest.mark.anyio
 async def test_input_schemas_carry_the_spec_bounds(service: LeaseService) -> None:
     """Every input schema is closed and states the spec's bounds and patterns."""
     async with Client(create_mcp_server(service)) as client:

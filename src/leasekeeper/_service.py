@@ -123,6 +123,11 @@ class LeaseService:
         self._random = random_bytes or BlockRandom()
         self._observers: list[ServiceObserver] = []
 
+    @property
+    def lifecycle_seconds(self) -> int:
+        """The length of a key's lifecycle (what the MCP tools' texts quote)."""
+        return self._lifecycle_ms // 1000
+
     def add_observer(self, observer: ServiceObserver) -> None:
         """Report every store call and decision to ``observer`` (metrics)."""
         self._observers.append(observer)

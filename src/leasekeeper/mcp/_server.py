@@ -100,6 +100,7 @@ __all__ = [
     "StrictStdin",
     "call_lease_tool",
     "create_mcp_server",
+    "instructions",
     "lease_tools",
     "quiet_sdk_logs",
     "serve_stdio",
@@ -358,7 +359,6 @@ _TOOLS: Final = (
     ),
 )
 
-_TOOLS_BY_NAME: Final = {tool.name: tool for tool in _TOOLS}
 
 INSTRUCTIONS: Final = (
     "leasekeeper makes sure a job is done once: one worker at a time holds a lease on the "
@@ -373,9 +373,32 @@ INSTRUCTIONS: Final = (
 )
 
 
-def lease_tools() -> list[types.Tool]:
-    """The five tool definitions, as ``tools/list`` returns them."""
-    return list(_TOOLS)
+def lease_tools(lifecycle_seconds: int = 86_400) -> list[types.Tool]:
+    """The five tool definitions, as ``tools/list`` returns them, their texts quoting
+    the lifecycle (``LEASEKEEPER_LIFECYCLE_SECONDS``: 24 hours by default)."""
+    if lifecycle_seconds == 86_400:
+        return list(_TOOLS)
+    return [
+        types.Tool.model_validate_json(_with_lifecycle(tool.model_dump_json(), lifecycle_seconds))
+        for tool in _TOOLS
+    ]
+
+
+def instructions(lifecycle_seconds: int = 86_400) -> str:
+    """``INSTRUCTIONS``, quoting the lifecycle as ``lease_tools`` does."""
+    return _with_lifecycle(INSTRUCTIONS, lifecycle_seconds)
+
+
+def _with_lifecycle(text: str, seconds: int) -> str:
+    """``text`` with the default lifecycle's words ("24 hours", "24-hour") made those of
+    ``seconds``: the texts are written for the default."""
+    for size, unit in ((86_400, "day"), (3_600, "hour"), (60, "minute"), (1, "second")):
+        # Hours up to two days (48 hours reads better than 2 days less a bit).
+        if seconds % size == 0 and (unit != "day" or seconds >= 2 * 86_400):
+            count = seconds // size
+            break
+    noun = f"{count} {unit}" + ("" if count == 1 else "s")
+    return text.replace("24 hours", noun).replace("24-hour", f"{count}-{unit}")
 
 
 # -- calling a tool --------------------------------------------------------------------------
@@ -443,10 +466,13 @@ def create_mcp_server(service: LeaseService, *, limits: Limits | None = None) ->
     requests do; without (stdio), nothing is rate limited.
     """
 
+    tools = lease_tools(service.lifecycle_seconds)
+    schemas = {tool.name: tool.input_schema for tool in tools}
+
     async def list_tools(
         ctx: ServerRequestContext[Any], params: types.PaginatedRequestParams | None
     ) -> types.ListToolsResult:
-        return types.ListToolsResult(tools=lease_tools())
+        return types.ListToolsResult(tools=tools)
 
     async def call_tool(
         ctx: ServerRequestContext[Any], params: types.CallToolRequestParams
@@ -459,15 +485,14 @@ def create_mcp_server(service: LeaseService, *, limits: Limits | None = None) ->
         )
 
     def input_schema(name: str) -> Mapping[str, Any] | None:
-        tool = _TOOLS_BY_NAME.get(name)
-        return None if tool is None else tool.input_schema
+        return schemas.get(name)
 
     return Server(
         "leasekeeper",
         version=_version(),
         title="leasekeeper",
         description="Leases, fencing tokens and idempotent results for agents and workers.",
-        instructions=INSTRUCTIONS,
+        instructions=instructions(service.lifecycle_seconds),
         # Lets the 2026-07-28 HTTP path find a tool's schema without a tools/list round.
         get_tool_input_schema=input_schema,
         on_list_tools=list_tools,
