@@ -307,6 +307,21 @@ def test_endless_headers_are_cut_off_at_64_kib(server: Server) -> None:
     assert status == 200 and body["ok"] is True
 
 
+@pytest.mark.slow
+def test_a_target_longer_than_the_url_parser_reads_is_431_not_malformed(server: Server) -> None:
+    """httptools reads a URL with 16-bit offsets: a path past 65,535 bytes (a head
+    over 64 KiB, sent in one go) gets 431 too_large saying so, not 400 "not valid
+    HTTP"; one just under it is routed (404)."""
+    for length, expected in ((65_000, 404), (66_000, 431)):
+        sock = connect(server)
+        with contextlib.suppress(OSError):
+            sock.sendall(b"GET /" + b"a" * length + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, headers, body, _ = answer(sock)
+        assert status == expected, body
+    assert body["status"] == "too_large" and "target" in body["error"]
+    assert headers["connection"] == "close"
+
+
 def _slow_bodies(server: Server) -> float:
     """The server's leasekeeper_slow_clients_total{stage="body"} (0 before the first)."""
     metrics = httpx.get(f"{server.url}/metrics").text

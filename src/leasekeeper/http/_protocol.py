@@ -83,6 +83,13 @@ _MALFORMED = raw_error_response(InvalidRequest("The request is not valid HTTP/1.
 _HEAD_TOO_LARGE = raw_error_response(
     HeadersTooLarge(f"The request headers are larger than {MAX_HEAD_BYTES} bytes")
 )
+#: httptools reads a URL's parts with 16-bit offsets: a longer target cannot be parsed.
+_MAX_TARGET_BYTES = 65_535
+_TARGET_TOO_LARGE = raw_error_response(
+    HeadersTooLarge(
+        f"The request's target (its path and query) is longer than {_MAX_TARGET_BYTES} bytes"
+    )
+)
 
 
 class _SlowClientGuard:
@@ -200,6 +207,12 @@ class _IgnoredUpgrade:
             try:
                 self.parser.feed_data(unread)
             except httptools.HttpParserError:
+                if len(getattr(self, "url", b"")) > _MAX_TARGET_BYTES:  # set per request
+                    # uvicorn's parse_url failed in a callback: a head over MAX_HEAD_BYTES,
+                    # refused as such rather than as malformed.
+                    self.transport.write(_TARGET_TOO_LARGE)  # type: ignore[attr-defined]
+                    self.transport.close()  # type: ignore[attr-defined]
+                    return
                 self.logger.warning("Invalid HTTP request received.")
                 self.send_400_response("Invalid HTTP request received.")  # type: ignore[attr-defined]
             except httptools.HttpParserUpgrade as upgrade:
