@@ -294,6 +294,13 @@ class TestResults:
             "keep": {"ok": [1, 2, {"x": "y"}]},
         }
 
+    def test_every_kind_of_space_in_a_name_counts_as_a_space(self) -> None:
+        """The spec removes spaces before looking for the words: a tab, a no-break space
+        or an ideographic space hides a secret's name no better than a space does."""
+        result = {"api\u00a0key": 1, "pass\tword": 2, "client\u3000secret": 3, "to\u2028ken": 4}
+        assert json.loads(validation.encode_result(result)) == dict.fromkeys(result, "[redacted]")
+        assert json.loads(validation.encode_result({"a\u200bb": 1})) == {"a\u200bb": 1}
+
     def test_size_limit_is_on_the_compact_submitted_encoding(self) -> None:
         """32,768 bytes of compact UTF-8 JSON pass; one byte more is too large."""
         fits = "x" * (32_768 - 2)

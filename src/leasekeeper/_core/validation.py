@@ -61,7 +61,12 @@ _SECRET_WORDS = (
     "apikey",
     "cookie",
 )
-_NAME_NOISE = str.maketrans("", "", "-_. ")
+#: Removed from a field name before the secret words are looked for: the spec's "-", "_",
+#: "." and spaces, every kind of space Unicode has counting as one (a tab, a no-break
+#: space: ``str.isspace``; none is past U+3000).
+_NAME_NOISE = str.maketrans(
+    "", "", "-_." + "".join(c for c in map(chr, range(0x3001)) if c.isspace())
+)
 
 
 def _reject_constant(name: str) -> Any:
