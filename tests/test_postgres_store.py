@@ -595,10 +595,10 @@ def test_readiness_needs_a_writable_database_and_the_fence_sequence(
 def test_readiness_fails_while_the_database_refuses_writes_for_want_of_room(
     make_store: StoreFactory, clock: FakeClock, url: str
 ) -> None:
-    """A write refused for want of room or resources (SQLSTATE class 53: a full disk,
-    raised here by a trigger) fails ping (``/readyz``) until 10 s after the last such
-    refusal, or until a write succeeds; a refusal that is one request's trouble (a lock
-    not available) does not."""
+    """A write refused for want of room (SQLSTATE 53100, disk_full, raised here by a
+    trigger on inserts) is answered at once and fails ping (``/readyz``) until 10 s
+    after the last such refusal, even while updates in place (renewals) succeed; a
+    refusal that is one request's trouble (a lock not available) does not."""
     store = make_store("postgres")
 
     def refuse_inserts(errcode: str | None) -> None:
@@ -620,6 +620,8 @@ def test_readiness_fails_while_the_database_refuses_writes_for_want_of_room(
 
     async def main() -> None:
         async with opened(store):
+            held = acquire()
+            assert isinstance((await store.apply(held)).outcome, Granted)
             refuse_inserts("lock_not_available")
             with pytest.raises(ServiceUnavailable, match="too busy"):
                 await store.apply(acquire())
@@ -628,6 +630,10 @@ def test_readiness_fails_while_the_database_refuses_writes_for_want_of_room(
             refuse_inserts("disk_full")
             with pytest.raises(ServiceUnavailable, match="refused the request"):
                 await store.apply(acquire())
+            with pytest.raises(ServiceUnavailable, match=full):
+                await store.ping()
+            renewed = await store.apply(Renew(held.key_id, held.owner, 60_000))
+            assert isinstance(renewed.outcome, Renewed)  # an update: no trigger
             with pytest.raises(ServiceUnavailable, match=full):
                 await store.ping()
             clock.advance(9.999)
@@ -640,8 +646,9 @@ def test_readiness_fails_while_the_database_refuses_writes_for_want_of_room(
                 await store.apply(acquire())
             with pytest.raises(ServiceUnavailable, match=full):
                 await store.ping()
-            refuse_inserts(None)  # room again: the next write that succeeds says so
+            refuse_inserts(None)  # room again
             assert isinstance((await store.apply(acquire())).outcome, Granted)
+            clock.advance(10)
             await store.ping()
 
     asyncio.run(main())

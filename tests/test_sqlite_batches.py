@@ -664,15 +664,18 @@ def test_failing_batches_are_logged_at_most_once_a_second(
 
 def test_readiness_fails_while_the_disk_refuses_writes(tmp_path: Path) -> None:
     """A full disk (here SQLite's page limit, which refuses a write the same way:
-    SQLITE_FULL) fails ping (``/readyz``) although the store can still be read. Ready
-    again 10 s after the last refusal, so that a server taken out of rotation is tried
-    again, or as soon as a write succeeds."""
+    SQLITE_FULL) fails ping (``/readyz``) although the store can still be read, until
+    10 s after the last refusal, so that a server taken out of rotation is tried again.
+    A write that succeeds meanwhile (a renewal, rewriting its row in place) does not end
+    it: readiness would flap while every new key is refused."""
     clock = FakeClock()
 
     async def main() -> None:
         store = SqliteStore(tmp_path / "full.db", clock)
         await store.open()
         try:
+            held = Acquire(new_id(), None, TTL, new_id(), LIFECYCLE)
+            assert isinstance((await store.apply(held)).outcome, Granted)
             await store.ping()
             conn = store._conn
             assert conn is not None
@@ -688,6 +691,10 @@ def test_readiness_fails_while_the_disk_refuses_writes(tmp_path: Path) -> None:
             full = r"refusing writes \(database or disk is full\)"
             with pytest.raises(ServiceUnavailable, match=full):
                 await store.ping()
+            renewed = await store.apply(Renew(held.key_id, held.owner, TTL))
+            assert isinstance(renewed.outcome, Renewed)  # in place: it fits
+            with pytest.raises(ServiceUnavailable, match=full):
+                await store.ping()
             clock.advance(9.999)
             with pytest.raises(ServiceUnavailable, match=full):
                 await store.ping()
@@ -700,6 +707,7 @@ def test_readiness_fails_while_the_disk_refuses_writes(tmp_path: Path) -> None:
                 await store.ping()
             conn.execute(f"PRAGMA max_page_count = {pages + 100}")  # room again
             assert isinstance((await queue_acquire(store)).outcome, Granted)
+            clock.advance(10)
             await store.ping()
         finally:
             await store.close()

@@ -289,10 +289,13 @@ class Throttled:
 class Refusals:
     """Whether the store has lately refused writes for want of room or resources (a full
     disk, a failing device), for readiness: ``check`` (in ``ping``) raises
-    ``ServiceUnavailable`` from such a refusal until a write succeeds, or until
-    ``hold_ms`` pass without another one. A store that can still be read would otherwise
-    look ready while every write fails; and a server taken out of rotation for it gets
-    requests again after ``hold_ms``, so that it finds out when there is room. Failures
+    ``ServiceUnavailable`` until ``hold_ms`` have passed since the last such refusal. A
+    store that can still be read would otherwise look ready while its writes fail.
+
+    A write that succeeds meanwhile does not end it: on a full disk, renewals that
+    rewrite rows in place go on succeeding while every new key is refused, and readiness
+    would flap with them. A server taken out of rotation for it gets requests again
+    ``hold_ms`` after the last refusal, and so finds out whether there is room. Failures
     of one key or one request (a lock, a timeout) are not for this: they would take a
     whole server out for one row. ``now_ms`` is any clock of milliseconds; safe to call
     from any thread."""
@@ -307,14 +310,10 @@ class Refusals:
         """A write was refused; ``reason`` names the error's kind, never its data."""
         self._last = (self._now_ms(), reason)
 
-    def succeeded(self) -> None:
-        """A write was committed: there is room again."""
-        self._last = None
-
     def check(self) -> None:
         last = self._last
         if last is not None and self._now_ms() - last[0] < self._hold_ms:
             raise ServiceUnavailable(
-                f"The lease store is refusing writes ({last[1]}); ready again once a write "
-                f"succeeds, or {self._hold_ms // 1000} s after the last refusal"
+                f"The lease store is refusing writes ({last[1]}); ready again "
+                f"{self._hold_ms // 1000} s after the last refusal"
             )

@@ -638,8 +638,6 @@ class PostgresStore:
             attempt.resolve = functools.partial(_split, results, set(writes))
             await conn.execute("COMMIT")
         # Leaving the pipeline sent the writes and COMMIT and waited for them.
-        if writes:  # a batch that wrote nothing proves nothing about room
-            self._refusals.succeeded()
         if inserted is not None and inserted.rowcount != len(inserts):
             created = {bytes(row[0]) for row in await inserted.fetchall()}
             return _split(results, set(writes), set(existing) | created)
@@ -704,9 +702,11 @@ class PostgresStore:
                 await asyncio.sleep(random.uniform(0.001, 0.005 * number))
             except psycopg.OperationalError as exc:
                 broken = conn is not None and conn.broken
-                if self._note_refusal(exc) and not broken:
-                    # The database answered (a full disk is class 53): the transaction
-                    # did not commit, and another attempt would meet the same refusal.
+                if self._note_refusal(exc) and not broken and _severity(exc) == "ERROR":
+                    # The database answered with an ERROR (a full disk is 53100): the
+                    # transaction did not commit, and another attempt would meet the same
+                    # refusal. (A PANIC, as on a failed WAL flush, may have committed
+                    # first: that goes on to _landed.)
                     raise
                 if broken:
                     self._check_pool(pool)
@@ -884,9 +884,15 @@ class PostgresStore:
 
 
 #: SQLSTATEs that say the database cannot take writes at all, not that one request
-#: failed: insufficient resources (a full disk, out of memory, no connection slots),
-#: system errors (I/O) and damaged data or indexes.
-_REFUSING = ("53", "58", "XX001", "XX002")
+#: failed: a full disk, no memory, an I/O error, damaged data or indexes. (Not the rest
+#: of class 53: 53400 is also one query's own limit, temp_file_limit say.)
+_REFUSING = ("53100", "53200", "58030", "XX001", "XX002")
+
+
+def _severity(exc: psycopg.Error) -> str | None:
+    """The error's severity as the server sent it (``ERROR``, ``FATAL``, ``PANIC``), not
+    translated; None for an error that did not come from the server."""
+    return exc.diag.severity_nonlocalized
 
 
 def _unavailable(exc: psycopg.Error) -> str:

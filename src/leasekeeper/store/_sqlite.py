@@ -483,7 +483,6 @@ class SqliteStore:
             self._jobs.put((_WHOLE, batch, []))
             return
         results: _Results = []
-        changes = conn.total_changes
         try:
             self._decide_in_transaction(conn, batch, results)
             conn.execute("COMMIT")  # to the OS: the thread fsyncs before anyone is answered
@@ -504,8 +503,6 @@ class SqliteStore:
             for op in batch:
                 settle(op.future, error)
         else:
-            if conn.total_changes != changes:  # a batch that wrote nothing proves no room
-                self._refusals.succeeded()
             self._jobs.put((_DURABLE, batch, results))
         # The connection is free again: what arrived meanwhile is the next batch (on the
         # next turn of the loop, not by recursion).
@@ -649,7 +646,6 @@ class SqliteStore:
     def _run_batch(self, conn: sqlite3.Connection, batch: list[_Op]) -> _Results:
         """On the thread: one whole transaction, waiting up to the timeout for the lock."""
         results: _Results = []
-        changes = conn.total_changes
         try:
             conn.execute(f"PRAGMA busy_timeout = {int(self._timeout * 1000)}")
             try:
@@ -666,8 +662,6 @@ class SqliteStore:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
-            if conn.total_changes != changes:
-                self._refusals.succeeded()
         except sqlite3.Error as exc:
             self._failures.log(
                 "SQLite transaction failed, %d operations refused: %s", len(batch), exc
