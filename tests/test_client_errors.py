@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -398,3 +399,39 @@ def test_a_result_nested_past_what_python_can_write_is_a_type_error() -> None:
     ):
         client.complete(None, "k" * 40, "own_" + "a" * 43, deep)
     assert sent == []
+
+
+def test_a_compressed_answer_is_refused_before_it_is_inflated() -> None:
+    """The client asks for no compression (the service never compresses); a compressed
+    answer anyway (a proxy's: a few hundred KB of gzip may inflate past 100 MB within
+    one read) is an InternalError, not inflated."""
+    bomb = gzip.compress(b"{" + b" " * 50_000_000 + b"}")
+    asked: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        asked.append(request.headers["accept-encoding"])
+        return httpx.Response(200, content=bomb, headers={"content-encoding": "gzip"})
+
+    with (
+        LeaseClient("http://lk.test", transport=httpx.MockTransport(answer)) as client,
+        pytest.raises(InternalError, match="compressed"),
+    ):
+        client.create_namespace()
+    assert asked == ["identity"]
+
+
+@pytest.mark.parametrize("timeout", [None, httpx.Timeout(5.0)], ids=["None", "httpx.Timeout"])
+def test_a_timeout_of_none_or_an_httpx_timeout_still_works(timeout: Any) -> None:
+    """httpx's own ways of giving a timeout, which the client passes on to httpx: the
+    whole-answer deadline (which needs a number) is then not applied."""
+    body = {"ok": True, "namespace": "ns_" + "A" * 43, "entropy_bits": 256}
+    transport = httpx.MockTransport(lambda request: httpx.Response(201, json=body))
+    with LeaseClient("http://lk.test", transport=transport, timeout=timeout) as client:
+        assert client.create_namespace() == body["namespace"]
+
+    async def scenario() -> None:
+        transport = httpx.MockTransport(lambda request: httpx.Response(201, json=body))
+        async with AsyncLeaseClient("http://lk.test", transport=transport, timeout=timeout) as c:
+            assert await c.create_namespace() == body["namespace"]
+
+    asyncio.run(scenario())

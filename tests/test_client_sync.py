@@ -998,7 +998,7 @@ def test_once_stores_the_result_through_an_answer_that_says_nothing(
 
 
 def test_complete_called_again_after_an_unsure_answer_finds_its_own_result(
-    api: Any, fake_time: FakeTime, namespace: str
+    api: Any, fake_time: FakeTime, namespace: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """lease.complete() whose answer was lost (the result stored) raises, and stops the
     renewals, which would be answered lost; called again, it finds the result this owner
@@ -1006,14 +1006,42 @@ def test_complete_called_again_after_an_unsure_answer_finds_its_own_result(
     client = make_client(api, fake_time, fault=answer_lost_after_complete(api))
     told: list[LeaseLost] = []
     with client.lease(namespace, "charge:15", ttl=30, on_lost=told.append) as lease:
-        with pytest.raises(ServiceUnreachable):
+        with (
+            caplog.at_level(logging.WARNING, logger="leasekeeper.client"),
+            pytest.raises(ServiceUnreachable),
+        ):
             lease.complete({"charged": 15})
+        assert "renewals have stopped: call complete() again" in caplog.text
         assert worker_of(lease).stopped
         assert lease.complete({"charged": 15}) == {"charged": 15}
         assert lease.completed
     assert told == []
     again = client.acquire(namespace, "charge:15")
     assert isinstance(again, Completed) and again.result == {"charged": 15}
+
+
+def test_complete_called_again_after_an_interrupted_one_finds_its_own_result(
+    api: Any, fake_time: FakeTime, namespace: str
+) -> None:
+    """Ctrl-C while complete() waits for its answer: the request may have been stored,
+    so the next complete() asks the service first, and finds the result its own rather
+    than reporting the lease lost."""
+    left = [1]
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        if request.url.path.endswith("/complete") and left[0]:
+            left[0] -= 1
+            bridge(api).handle_request(request)
+            raise KeyboardInterrupt
+        return None
+
+    client = make_client(api, fake_time, fault=fault)
+    told: list[LeaseLost] = []
+    with client.lease(namespace, "charge:18", ttl=30, on_lost=told.append) as lease:
+        with pytest.raises(KeyboardInterrupt):
+            lease.complete(18)
+        assert lease.complete(18) == 18
+    assert told == []
 
 
 def test_no_renewal_reports_lost_while_a_stored_complete_is_retried(

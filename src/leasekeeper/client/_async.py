@@ -22,6 +22,7 @@ from leasekeeper.client._common import (
     FENCE_CHANGED,
     NOT_OWNED,
     ONCE_LEASE,
+    UNSURE_COMPLETE,
     WAITABLE,
     OnWait,
     Wait,
@@ -122,17 +123,18 @@ class AsyncLeaseClient:
         # As in LeaseClient._post: timeouts only on our own client, and the request's time
         # bounds the whole exchange, here with asyncio.timeout (the head included).
         seconds = self.timeout if request_seconds is None else request_seconds
-        owned = self._owns_http
+        bounded = self._owns_http and isinstance(seconds, int | float)  # not an httpx.Timeout
         reader = BodyReader(None, self._monotonic)
         try:
-            async with asyncio.timeout(seconds if owned else None):
-                if request_seconds is None or not owned:
+            async with asyncio.timeout(seconds if bounded else None):
+                if request_seconds is None or not self._owns_http:
                     streamed = self._http.stream("POST", url, content=content, headers=HEADERS)
                 else:
                     streamed = self._http.stream(
                         "POST", url, content=content, headers=HEADERS, timeout=request_seconds
                     )
                 async with streamed as response:
+                    reader.start(response)  # refuses any encoding: nothing is decoded
                     async for chunk in response.aiter_bytes():
                         reader.add(chunk)
         except httpx.RequestError as exc:  # no answer, or none that could be read
@@ -295,7 +297,8 @@ class AsyncLeaseClient:
         attempt, deadline = 0, math.inf
         while True:
             try:
-                return await lease.complete(value)  # stops the renewals when unsure
+                # Stops the renewals when unsure; retried with a WARNING of its own.
+                return await lease._complete(value, retried=lease._unsure)
             except LeaseError as error:
                 if not unsure_complete(error):
                     raise
@@ -465,7 +468,12 @@ class AsyncHeldLease:
     async def complete(self, result: Any) -> Any:
         """Store ``result`` and end ownership for good; returns the stored (redacted) result.
         As ``HeldLease.complete``, an unsure answer included."""
-        return await self._complete(result, retried=self._unsure)
+        try:
+            return await self._complete(result, retried=self._unsure)
+        except LeaseError as error:
+            if unsure_complete(error):
+                log.warning(UNSURE_COMPLETE, error.status, error.error)
+            raise
 
     async def _complete(self, result: Any, *, retried: bool) -> Any:
         """As ``HeldLease._complete``."""
@@ -484,6 +492,9 @@ class AsyncHeldLease:
                 if not unsure_complete(error):
                     raise
                 done, lost, unsure, self._unsure = None, None, error, True
+            except asyncio.CancelledError:  # the request may have been sent, and stored
+                self._unsure = True
+                raise
             else:
                 lost = None
             if done is not None:

@@ -29,6 +29,7 @@ __all__ = [
     "FENCE_CHANGED",
     "NOT_OWNED",
     "ONCE_LEASE",
+    "UNSURE_COMPLETE",
     "WAITABLE",
     "OnLost",
     "OnWait",
@@ -108,6 +109,13 @@ def complete_delay(error: LeaseError, attempt: int, remaining: float, rand: floa
 FENCE_CHANGED = (
     "A renewal was answered with another fencing token than the lease's: "
     "ownership can no longer be proven"
+)
+
+#: The WARNING of a ``complete()`` whose answer does not say whether it stored the result.
+UNSURE_COMPLETE = (
+    "complete() got no answer that says whether the result was stored (%s: %s); renewals "
+    "have stopped: call complete() again before the lease expires, or the next worker "
+    "takes the key"
 )
 
 NOT_OWNED = (

@@ -45,7 +45,13 @@ BASE_PATH = "/services/v1"
 DEFAULT_URL = "http://127.0.0.1:8787"
 #: Seconds for one request; a renewal uses less when the lease expires sooner.
 DEFAULT_TIMEOUT = 10.0
-HEADERS = {"content-type": "application/json", "accept": "application/json"}
+#: ``identity``: the service never compresses, and a compressed answer (a proxy's) could
+#: inflate past ``MAX_RESPONSE_BYTES`` many times over within one read.
+HEADERS = {
+    "content-type": "application/json",
+    "accept": "application/json",
+    "accept-encoding": "identity",
+}
 
 #: The largest response body read. The service's largest answer is a stored result of
 #: 32 KiB (up to six times that once escaped) and a few fields; anything larger is not
@@ -192,17 +198,22 @@ def _retry_after(response: httpx.Response) -> int | None:
 
 
 class BodyReader:
-    """Gathers a response body as it arrives, chunk by chunk: ``InternalError`` past
-    ``MAX_RESPONSE_BYTES``, and ``ServiceUnreachable`` for a chunk that arrives after
-    ``deadline`` (``monotonic`` seconds; None: no deadline). httpx's timeout bounds each
-    read, not the whole answer: a server sending a byte at a time would hold the caller
-    for as long as it likes."""
+    """Gathers a response body as it arrives, chunk by chunk: ``InternalError``
+    for a compressed one (``HEADERS`` asks for none) or past ``MAX_RESPONSE_BYTES``, and
+    ``ServiceUnreachable`` for a chunk that arrives after ``deadline`` (``monotonic``
+    seconds; None: no deadline). httpx's timeout bounds each read, not the whole body: a
+    server sending a byte at a time would hold the caller for as long as it likes."""
 
     def __init__(self, deadline: float | None, monotonic: Callable[[], float]) -> None:
         self._deadline = deadline
         self._monotonic = monotonic
         self._parts: list[bytes] = []
         self._size = 0
+
+    def start(self, response: httpx.Response) -> None:
+        """Before the body: refuse an encoded one, which would be read undecoded."""
+        if response.headers.get("content-encoding", "identity").strip().lower() != "identity":
+            raise InternalError("The response is compressed; the lease service never compresses")
 
     def add(self, chunk: bytes) -> None:
         self._size += len(chunk)

@@ -25,6 +25,7 @@ from leasekeeper.client._common import (
     FENCE_CHANGED,
     NOT_OWNED,
     ONCE_LEASE,
+    UNSURE_COMPLETE,
     WAITABLE,
     OnLost,
     OnWait,
@@ -131,7 +132,8 @@ class LeaseClient:
         # the whole answer's arrival too, not only each read (``BodyReader``).
         seconds = self.timeout if request_seconds is None else request_seconds
         owned = self._owns_http
-        reader = BodyReader(self._monotonic() + seconds if owned else None, self._monotonic)
+        bounded = owned and isinstance(seconds, int | float)  # not None, nor an httpx.Timeout
+        reader = BodyReader(self._monotonic() + seconds if bounded else None, self._monotonic)
         try:
             if request_seconds is None or not owned:
                 streamed = self._http.stream("POST", url, content=content, headers=HEADERS)
@@ -140,6 +142,7 @@ class LeaseClient:
                     "POST", url, content=content, headers=HEADERS, timeout=request_seconds
                 )
             with streamed as response:
+                reader.start(response)  # refuses any encoding: nothing is decoded
                 for chunk in response.iter_bytes():
                     reader.add(chunk)
         except httpx.RequestError as exc:  # no answer, or none that could be read
@@ -323,7 +326,8 @@ class LeaseClient:
         attempt, deadline = 0, math.inf
         while True:
             try:
-                return lease.complete(value)  # stops the renewals when unsure
+                # Stops the renewals when unsure; retried with a WARNING of its own.
+                return lease._complete(value, retried=lease._unsure)
             except LeaseError as error:
                 if not unsure_complete(error):
                     raise
@@ -519,7 +523,12 @@ class HeldLease:
         answered lost if it was; call ``complete`` again, before the lease expires, to
         find out: a result this owner stored is then returned, not refused.
         """
-        return self._complete(result, retried=self._unsure)
+        try:
+            return self._complete(result, retried=self._unsure)
+        except LeaseError as error:
+            if unsure_complete(error):
+                log.warning(UNSURE_COMPLETE, error.status, error.error)
+            raise
 
     def _complete(self, result: Any, *, retried: bool) -> Any:
         """``complete``; ``retried`` when an earlier attempt's answer was lost, so that it
@@ -540,6 +549,9 @@ class HeldLease:
                 if not unsure_complete(error):
                     raise
                 done, lost, unsure, self._unsure = None, None, error, True
+            except KeyboardInterrupt:  # the request may have been sent, and stored
+                self._unsure = True
+                raise
             else:
                 lost = None
             if done is not None:
