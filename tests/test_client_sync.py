@@ -374,6 +374,19 @@ def test_a_408_on_a_renewal_is_retried_not_lost(
         lease.check()
 
 
+@pytest.mark.parametrize("timeout", [None, httpx.Timeout(5.0)], ids=["None", "httpx.Timeout"])
+def test_a_lease_renews_with_a_timeout_that_is_not_a_number(
+    api: Any, fake_time: FakeTime, namespace: str, timeout: Any
+) -> None:
+    """timeout=None (or an httpx.Timeout) goes to httpx as given; renewals are still
+    bounded (by the default 10 s, and the lease), and they renew."""
+    client = make_client(api, fake_time, timeout=timeout)
+    with client.lease(namespace, KEY, ttl=30) as lease:
+        worker = worker_of(lease)
+        assert worker.step()
+        assert worker.renewals == 1 and not lease.lost.is_set()
+
+
 def test_a_renewal_answered_with_another_fencing_token_is_lost(
     api: Any, fake_time: FakeTime, namespace: str
 ) -> None:

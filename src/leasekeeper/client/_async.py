@@ -38,6 +38,7 @@ from leasekeeper.client._http import (
     http_root,
     lease_body,
     read_response,
+    renewal_timeout,
     route_prefix,
     unreachable,
 )
@@ -414,7 +415,7 @@ class AsyncHeldLease:
             monotonic=client._monotonic,
             signal_factory=client._signal_factory,
             task_factory=client._task_factory,
-            request_timeout=client.timeout,
+            request_timeout=renewal_timeout(client.timeout),
         )
         self.renewer.start()
 

@@ -37,6 +37,7 @@ __all__ = [
     "http_root",
     "lease_body",
     "read_response",
+    "renewal_timeout",
     "route_prefix",
     "unreachable",
 ]
@@ -60,6 +61,13 @@ MAX_RESPONSE_BYTES = 1 << 20
 
 #: Absent a value, these fields are left out of the body (the service's defaults apply).
 _OPTIONAL = ("namespace", "ttl_seconds", "fingerprint")
+
+
+def renewal_timeout(timeout: object) -> float:
+    """Seconds a renewal may take at most: the client's ``timeout``, or ``DEFAULT_TIMEOUT``
+    when it is not a number (``None`` or an ``httpx.Timeout``, passed to httpx as given):
+    a renewal must always be bounded, and it is also never longer than the lease."""
+    return float(timeout) if isinstance(timeout, int | float) else DEFAULT_TIMEOUT
 
 
 def api_root(base_url: str) -> str:

@@ -42,6 +42,7 @@ from leasekeeper.client._http import (
     http_root,
     lease_body,
     read_response,
+    renewal_timeout,
     route_prefix,
     unreachable,
 )
@@ -456,7 +457,7 @@ class HeldLease:
             monotonic=client._monotonic,
             event_factory=client._event_factory,
             thread_factory=client._thread_factory,
-            request_timeout=client.timeout,
+            request_timeout=renewal_timeout(client.timeout),
         )
         self.renewer.start()
 
