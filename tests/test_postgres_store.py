@@ -27,7 +27,6 @@ from leasekeeper._core.model import (
     Acquire,
     Complete,
     CompletedOutcome,
-    Decision,
     Granted,
     Held,
     Release,
@@ -932,45 +931,6 @@ def test_a_request_answered_503_while_its_batch_waited_is_not_decided(
             assert sorted(rows) == [(True, 1), (True, 2)]  # both as released, untouched
             # Two fences drawn before, none for the requests answered 503: this is the third.
             assert after.outcome.record.fencing_token == 3  # type: ignore[union-attr]
-
-    asyncio.run(main())
-
-
-def test_a_row_locked_too_long_does_not_refuse_the_other_keys_of_its_batch(
-    make_store: StoreFactory, url: str
-) -> None:
-    """A row held locked by an outside session (or an instance paused inside its
-    transaction) makes a batch of several keys give up on it after its lock_timeout
-    (a quarter of the store timeout, at most 1 s); each command then goes again alone,
-    so the other keys are decided, and only the locked key's request waits to its own
-    deadline (503)."""
-    store = make_store("postgres", timeout_seconds=2, max_batches=1)
-    locked, owner = new_id(), new_id()
-
-    async def main() -> None:
-        async with opened(store):
-            await store.apply(acquire(locked, owner))
-            schema = store.schema  # type: ignore[attr-defined]
-            with admin(url) as blocker:
-                blocker.execute("BEGIN")
-                blocker.execute(
-                    f"SELECT 1 FROM {schema}.leasekeeper_leases WHERE key_id = %s FOR UPDATE",
-                    (locked,),
-                )
-                started = time.monotonic()
-                decided = await asyncio.gather(
-                    store.apply(acquire()),
-                    store.apply(Renew(locked, owner, TTL)),
-                    store.apply(acquire()),
-                    return_exceptions=True,
-                )
-                blocker.execute("ROLLBACK")
-            assert isinstance(decided[1], ServiceUnavailable)
-            assert time.monotonic() - started >= 1.9  # its own deadline, after going alone
-            for other in (decided[0], decided[2]):
-                assert isinstance(other, Decision) and isinstance(other.outcome, Granted)
-            renewed = await store.apply(Renew(locked, owner, TTL))  # free again
-            assert isinstance(renewed.outcome, Renewed)
 
     asyncio.run(main())
 

@@ -155,8 +155,6 @@ _FENCE_EXISTS: Final = (
 )
 
 _BEGIN: Final = "BEGIN ISOLATION LEVEL READ COMMITTED"
-# How long a batch waits for a row lock, for this transaction only.
-_LOCK_TIMEOUT: Final = "SELECT set_config('lock_timeout', %s, true)"
 # A batch's rows, locked in key order: two batches (of any instances) that share keys
 # take their locks in the same order, so they queue instead of deadlocking.
 _LOCK_ROWS: Final = (
@@ -271,8 +269,6 @@ class _Pending:
     future: asyncio.Future[Decision]
     #: Batches that had to give this command back (its key's row appeared meanwhile).
     returned: int = 0
-    #: Decided in a batch of its own: a batch it was in found a row locked too long.
-    alone: bool = False
 
 
 @dataclass(slots=True)
@@ -342,8 +338,6 @@ class PostgresStore:
         self._max_batches = max(1, min(max_batches, max_size))
         self._waiting: deque[_Pending] = deque()
         self._batches = 0  # batch runners active
-        #: A batch waits this long for a row lock (``_decide_and_answer``).
-        self._lock_timeout = f"{max(100, min(1000, int(timeout_seconds * 250)))}ms"
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -531,14 +525,9 @@ class PostgresStore:
             while waiting:
                 batch: list[_Pending] = []
                 while waiting and len(batch) < self._max_batch:
-                    if waiting[0].alone and batch:
-                        break
                     pending = waiting.popleft()
-                    if pending.future.done():  # its caller gave up
-                        continue
-                    batch.append(pending)
-                    if pending.alone:
-                        break
+                    if not pending.future.done():  # else its caller gave up
+                        batch.append(pending)
                 if batch:
                     await self._decide_and_answer(batch)
         finally:
@@ -551,19 +540,6 @@ class PostgresStore:
         try:
             done = await self._run("apply", work)
         except BaseException as exc:
-            if isinstance(exc.__cause__, pg_errors.LockNotAvailable):
-                # A row stayed locked past the batch's lock_timeout (an outside session,
-                # or an instance paused inside its transaction): nothing was written.
-                # Each command goes again alone, so that the others are not refused with
-                # the one on that key, which waits again after those queued meanwhile,
-                # until its caller's deadline: it never holds a runner for long.
-                if len(batch) > 1:
-                    for pending in reversed(batch):
-                        pending.alone = True
-                        self._waiting.appendleft(pending)
-                else:
-                    self._waiting.append(batch[0])
-                return
             error: LeaseError
             if isinstance(exc, ServiceUnavailable):
                 error = exc
@@ -609,7 +585,6 @@ class PostgresStore:
         clock = self._clock
         async with conn.pipeline():
             await conn.execute(_BEGIN)
-            await conn.execute(_LOCK_TIMEOUT, (self._lock_timeout,))  # see _decide_and_answer
             # prepare=False: planned for each batch, on the table as it is now. A prepared
             # statement keeps a generic plan chosen while the table was small (a scan),
             # and ran at a tenth of the speed once it held tens of thousands of rows.
