@@ -406,6 +406,51 @@ def test_async_once_runs_once_across_tasks(run_app: Callable[..., None]) -> None
     run_app(scenario)
 
 
+class _CompleteStoredThenHangs(httpx.AsyncBaseTransport):
+    """The first /lease/complete reaches the app (stored), then its answer never comes."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.hung = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/complete") and not self.hung:
+            self.hung = True
+            await self.inner.handle_async_request(request)
+            await asyncio.Event().wait()
+        return await self.inner.handle_async_request(request)
+
+
+def test_async_complete_called_again_after_a_cancelled_one_finds_its_own_result(
+    run_app: Callable[..., None], fake_time: FakeTime, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A complete() cancelled while it waited for its answer (the caller's own timeout)
+    may have been stored: renewals stop, and the next complete() finds the result its
+    own. One answered 503 says so in a WARNING."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        client = fake_client(_CompleteStoredThenHangs(transport), fake_time)
+        namespace = await client.create_namespace()
+        async with client.lease(namespace, "charge:19", ttl=30) as lease:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(lease.complete(19), 0.05)
+            assert lease.renewer is not None
+            assert not await lease.renewer.step()  # no renewal: it would be answered lost
+            assert not lease.lost.is_set()
+            assert await lease.complete(19) == 19
+
+        flaky = _CompleteAnswered500Once(transport, landed=True)
+        client = fake_client(flaky, fake_time)
+        async with client.lease(namespace, "charge:20", ttl=30) as lease:
+            with pytest.raises(InternalError):
+                await lease.complete(20)
+            assert await lease.complete(20) == 20
+
+    with caplog.at_level(logging.WARNING, logger="leasekeeper.client"):
+        run_app(scenario)
+    assert "renewals have stopped: call complete() again" in caplog.text
+
+
 class _RenewAnswersAnotherFence(httpx.AsyncBaseTransport):
     def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
         self.inner = inner

@@ -30,7 +30,12 @@ from leasekeeper import (
     StaleFence,
 )
 from leasekeeper._errors import error_from_body
-from leasekeeper.client._http import MAX_RESPONSE_BYTES, read_response
+from leasekeeper.client._http import (
+    DEFAULT_TIMEOUT,
+    MAX_RESPONSE_BYTES,
+    read_response,
+    renewal_timeout,
+)
 
 SERVICE_ERRORS: list[LeaseError] = [
     InvalidRequest("ttl_seconds must be an integer from 1 to 86400"),
@@ -403,8 +408,9 @@ def test_a_result_nested_past_what_python_can_write_is_a_type_error() -> None:
 
 def test_a_compressed_answer_is_refused_before_it_is_inflated() -> None:
     """The client asks for no compression (the service never compresses); a compressed
-    answer anyway (a proxy's: a few hundred KB of gzip may inflate past 100 MB within
-    one read) is an InternalError, not inflated."""
+    success anyway (a proxy's: a few hundred KB of gzip may inflate past 100 MB within
+    one read) is an InternalError, not inflated; a compressed refusal is classified by
+    its status and headers alone (a 503 stays a 503 that waiting retries)."""
     bomb = gzip.compress(b"{" + b" " * 50_000_000 + b"}")
     asked: list[str] = []
 
@@ -418,6 +424,25 @@ def test_a_compressed_answer_is_refused_before_it_is_inflated() -> None:
     ):
         client.create_namespace()
     assert asked == ["identity"]
+
+    def refusal(request: httpx.Request) -> httpx.Response:
+        headers = {"content-encoding": "gzip", "retry-after": "7"}
+        return httpx.Response(503, content=bomb, headers=headers)
+
+    with (
+        LeaseClient("http://lk.test", transport=httpx.MockTransport(refusal)) as client,
+        pytest.raises(ServiceUnavailable) as raised,
+    ):
+        client.create_namespace()
+    assert raised.value.retry_after == 7
+
+
+def test_a_renewal_is_bounded_by_the_timeout_given_in_any_form() -> None:
+    """A number, or an httpx.Timeout's read timeout; with none at all, the default."""
+    assert renewal_timeout(3) == 3.0
+    assert renewal_timeout(httpx.Timeout(30.0)) == 30.0
+    assert renewal_timeout(httpx.Timeout(5.0, read=None)) == DEFAULT_TIMEOUT
+    assert renewal_timeout(None) == DEFAULT_TIMEOUT
 
 
 @pytest.mark.parametrize("timeout", [None, httpx.Timeout(5.0)], ids=["None", "httpx.Timeout"])

@@ -1037,8 +1037,8 @@ def test_complete_called_again_after_an_interrupted_one_finds_its_own_result(
     api: Any, fake_time: FakeTime, namespace: str
 ) -> None:
     """Ctrl-C while complete() waits for its answer: the request may have been stored,
-    so the next complete() asks the service first, and finds the result its own rather
-    than reporting the lease lost."""
+    so renewals stop (one would be answered lost), and the next complete() asks the
+    service first, and finds the result its own rather than reporting the lease lost."""
     left = [1]
 
     def fault(request: httpx.Request) -> httpx.Response | None:
@@ -1053,6 +1053,9 @@ def test_complete_called_again_after_an_interrupted_one_finds_its_own_result(
     with client.lease(namespace, "charge:18", ttl=30, on_lost=told.append) as lease:
         with pytest.raises(KeyboardInterrupt):
             lease.complete(18)
+        # A renewal now would be answered lost (the key is completed): none is sent.
+        assert not worker_of(lease).step()
+        assert not lease.lost.is_set()
         assert lease.complete(18) == 18
     assert told == []
 

@@ -135,9 +135,9 @@ class AsyncLeaseClient:
                         "POST", url, content=content, headers=HEADERS, timeout=request_seconds
                     )
                 async with streamed as response:
-                    reader.start(response)  # refuses any encoding: nothing is decoded
-                    async for chunk in response.aiter_bytes():
-                        reader.add(chunk)
+                    if reader.start(response):  # never an encoded body: nothing is inflated
+                        async for chunk in response.aiter_bytes():
+                            reader.add(chunk)
         except httpx.RequestError as exc:  # no answer, or none that could be read
             raise unreachable(exc) from exc
         except TimeoutError:
@@ -535,8 +535,10 @@ class AsyncHeldLease:
             await self._client.release(self._namespace, self._key, self._token())
 
     def _renewal_stopped(self) -> bool:
-        """Whether renewal was told to stop (a renewal waiting for the lock then sends none)."""
-        return self.renewer is not None and self.renewer.stopped
+        """Whether renewal was told to stop (a renewal waiting for the lock then sends none),
+        or a ``complete`` may have stored the result (``_unsure``): a renewal would then be
+        answered lost, and report as lost a lease whose work is stored."""
+        return self._unsure or (self.renewer is not None and self.renewer.stopped)
 
     def _token(self) -> str:
         if self.grant is None:  # pragma: no cover - guarded by the callers

@@ -64,9 +64,11 @@ _OPTIONAL = ("namespace", "ttl_seconds", "fingerprint")
 
 
 def renewal_timeout(timeout: object) -> float:
-    """Seconds a renewal may take at most: the client's ``timeout``, or ``DEFAULT_TIMEOUT``
-    when it is not a number (``None`` or an ``httpx.Timeout``, passed to httpx as given):
-    a renewal must always be bounded, and it is also never longer than the lease."""
+    """Seconds a renewal may take at most: the client's ``timeout`` (an ``httpx.Timeout``'s
+    read timeout), or ``DEFAULT_TIMEOUT`` when there is none (``None``): a renewal must
+    always be bounded, and it is also never longer than the lease."""
+    if isinstance(timeout, httpx.Timeout) and timeout.read is not None:
+        return timeout.read
     return float(timeout) if isinstance(timeout, int | float) else DEFAULT_TIMEOUT
 
 
@@ -218,10 +220,16 @@ class BodyReader:
         self._parts: list[bytes] = []
         self._size = 0
 
-    def start(self, response: httpx.Response) -> None:
-        """Before the body: refuse an encoded one, which would be read undecoded."""
-        if response.headers.get("content-encoding", "identity").strip().lower() != "identity":
+    def start(self, response: httpx.Response) -> bool:
+        """Before the body: whether to read it. An encoded one is not inflated: a success
+        is then refused, and a refusal (a proxy's compressed 503 page, say) is classified
+        by its status and headers alone, as any body not the service's would be."""
+        encoding = response.headers.get("content-encoding", "").strip().lower()
+        if encoding in ("", "identity"):
+            return True
+        if response.is_success:
             raise InternalError("The response is compressed; the lease service never compresses")
+        return False
 
     def add(self, chunk: bytes) -> None:
         self._size += len(chunk)

@@ -143,9 +143,9 @@ class LeaseClient:
                     "POST", url, content=content, headers=HEADERS, timeout=request_seconds
                 )
             with streamed as response:
-                reader.start(response)  # refuses any encoding: nothing is decoded
-                for chunk in response.iter_bytes():
-                    reader.add(chunk)
+                if reader.start(response):  # never an encoded body: nothing is inflated
+                    for chunk in response.iter_bytes():
+                        reader.add(chunk)
         except httpx.RequestError as exc:  # no answer, or none that could be read
             raise unreachable(exc) from exc
         return read_response(response, reader.content())
@@ -601,8 +601,10 @@ class HeldLease:
     # -- for the renewal worker ------------------------------------------------------------------
 
     def _renewal_stopped(self) -> bool:
-        """Whether renewal was told to stop (a renewal waiting for the lock then sends none)."""
-        return self.renewer is not None and self.renewer.stopped
+        """Whether renewal was told to stop (a renewal waiting for the lock then sends none),
+        or a ``complete`` may have stored the result (``_unsure``): a renewal would then be
+        answered lost, and report as lost a lease whose work is stored."""
+        return self._unsure or (self.renewer is not None and self.renewer.stopped)
 
     def _token(self) -> str:
         if self.grant is None:  # pragma: no cover - guarded by the callers
