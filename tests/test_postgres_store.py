@@ -680,6 +680,40 @@ def test_failing_batches_are_logged_at_most_once_a_second(
     assert lines[1].endswith("(and 19 more since the last such line)")
 
 
+def test_only_a_database_that_cannot_write_at_all_fails_readiness(
+    make_store: StoreFactory,
+) -> None:
+    """A full disk, no memory, an I/O error or damaged data count; one query's own limit
+    (53400, temp_file_limit say), a lock or a read-only transaction do not; an error made
+    on this side (no severity) is never answered at once as a refusal."""
+    from psycopg import errors as pg_errors
+
+    from leasekeeper.store._postgres import _severity
+
+    store = make_store("postgres")  # not opened: the classification needs no database
+
+    def refusing(exc: psycopg.Error) -> bool:
+        return bool(store._note_refusal(exc))  # type: ignore[attr-defined]
+
+    for counted in (
+        pg_errors.DiskFull,
+        pg_errors.OutOfMemory,
+        pg_errors.IoError,
+        pg_errors.DataCorrupted,
+        pg_errors.IndexCorrupted,
+    ):
+        assert refusing(counted()), counted
+    for not_counted in (
+        pg_errors.ConfigurationLimitExceeded,
+        pg_errors.TooManyConnections,
+        pg_errors.LockNotAvailable,
+        pg_errors.ReadOnlySqlTransaction,
+        pg_errors.QueryCanceled,
+    ):
+        assert not refusing(not_counted()), not_counted
+    assert _severity(pg_errors.DiskFull()) is None  # not from a server: no severity
+
+
 def test_a_503_says_which_of_the_connection_the_time_or_the_database_failed() -> None:
     """The 503's sentence follows the error: a lost connection or a shutdown "cannot be
     reached", a statement timeout "did not answer in time", and a refusal (a read-only
