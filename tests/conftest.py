@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from starlette.testclient import TestClient
 
-from leasekeeper import FakeClock, LeaseService, Settings
+from leasekeeper import FakeClock, LeaseService, ServiceUnavailable, Settings
 from leasekeeper.http import create_app
 from leasekeeper.store import MemoryStore, SqliteStore, Store
 
@@ -144,6 +144,18 @@ def make_store(tmp_path: Path, clock: FakeClock) -> Iterator[StoreFactory]:
     for schema in schemas:
         assert url is not None
         drop_schema(url, schema)
+
+
+async def not_ready_until_the_hold_ends(store: Store, clock: FakeClock, reason: str) -> None:
+    """ping (``/readyz``) fails, saying ``reason``, until 10 s after the store's last refused
+    write (``store._base.Refusals``), and then succeeds."""
+    with pytest.raises(ServiceUnavailable, match=reason):
+        await store.ping()
+    clock.advance(9.999)
+    with pytest.raises(ServiceUnavailable, match=reason):
+        await store.ping()
+    clock.advance(0.001)
+    await store.ping()
 
 
 def new_schema_name() -> str:

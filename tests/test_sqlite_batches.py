@@ -38,6 +38,7 @@ from leasekeeper._core.model import (
     Renewed,
 )
 from leasekeeper.store._sqlite import _SCHEMA, SqliteStore, _params, _select_many, _upsert
+from tests.conftest import not_ready_until_the_hold_ends
 
 TTL = 60_000
 LIFECYCLE = 86_400_000
@@ -693,13 +694,7 @@ def test_readiness_fails_while_the_disk_refuses_writes(tmp_path: Path) -> None:
                 await store.ping()
             renewed = await store.apply(Renew(held.key_id, held.owner, TTL))
             assert isinstance(renewed.outcome, Renewed)  # in place: it fits
-            with pytest.raises(ServiceUnavailable, match=full):
-                await store.ping()
-            clock.advance(9.999)
-            with pytest.raises(ServiceUnavailable, match=full):
-                await store.ping()
-            clock.advance(0.001)
-            await store.ping()
+            await not_ready_until_the_hold_ends(store, clock, full)
 
             with pytest.raises(ServiceUnavailable):
                 await queue_acquire(store)
