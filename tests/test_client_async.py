@@ -513,6 +513,42 @@ class _CompleteAnswered500Once(_CompleteFailsOnce):
         return await self.inner.handle_async_request(request)
 
 
+class _LookupAnswered503Once(_CompleteFailsOnce):
+    """As ``_CompleteFailsOnce(landed=True)``, and the first lookup (an acquire with a
+    TTL of 1 s) after it is answered 503."""
+
+    looked = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/lease") and b'"ttl_seconds":1' in request.content:
+            self.looked += 1
+            if self.looked == 1:
+                return httpx.Response(503, json={"ok": False, "status": "unavailable"})
+        return await super().handle_async_request(request)
+
+
+def test_async_lookup_without_an_answer_leaves_the_complete_unsure_not_lost(
+    run_app: Callable[..., None], fake_time: FakeTime
+) -> None:
+    """As in the sync client: a 503 to the lookup says nothing; once tries again."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        flaky = _LookupAnswered503Once(transport, landed=True)
+        client = fake_client(flaky, fake_time)
+        namespace = await client.create_namespace()
+        calls: list[int] = []
+
+        @client.once(namespace, key="charge:22")
+        async def charge() -> int:
+            calls.append(1)
+            return 22
+
+        assert await charge() == 22
+        assert calls == [1] and flaky.looked == 2
+
+    run_app(scenario)
+
+
 @pytest.mark.parametrize("landed", [False, True])
 def test_async_once_stores_the_result_through_a_500(
     run_app: Callable[..., None], fake_time: FakeTime, landed: bool

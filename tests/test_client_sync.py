@@ -1060,6 +1060,34 @@ def test_complete_called_again_after_an_interrupted_one_finds_its_own_result(
     assert told == []
 
 
+def test_a_lookup_without_an_answer_leaves_the_complete_unsure_not_lost(
+    api: Any, fake_time: FakeTime, namespace: str
+) -> None:
+    """The complete stored the result and its answer was lost; the retry is told lost,
+    and the lookup that would find the result its own gets a 503: that says nothing, so
+    once tries again (and finds it) rather than raise LeaseLost for work that is stored."""
+    stored = answer_lost_after_complete(api)
+    lookups = [0]
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        if request.url.path.endswith("/lease") and b'"ttl_seconds":1' in request.content:
+            lookups[0] += 1
+            if lookups[0] == 1:
+                return httpx.Response(503, json={"ok": False, "status": "unavailable"})
+        return stored(request)
+
+    client = make_client(api, fake_time, fault=fault)
+    calls: list[int] = []
+
+    @client.once(namespace, key="charge:21", fingerprint="v1")
+    def charge() -> int:
+        calls.append(1)
+        return 21
+
+    assert charge() == 21
+    assert calls == [1] and lookups == [2]
+
+
 def test_no_renewal_reports_lost_while_a_stored_complete_is_retried(
     api: Any, fake_time: FakeTime, namespace: str
 ) -> None:

@@ -516,7 +516,9 @@ class AsyncHeldLease:
             found = await self._client.acquire(
                 self._namespace, self._key, ttl=1, fingerprint=self._fingerprint
             )
-        except LeaseError:
+        except LeaseError as error:
+            if unsure_complete(error):  # no answer to the lookup: still unsure, not lost
+                raise
             return None
         if isinstance(found, Completed):
             ours = self.grant is not None and found.fencing_token == self.grant.fencing_token

@@ -575,12 +575,15 @@ class HeldLease:
 
         Looked up as any worker would, with an acquire of the key and fingerprint: the
         key completed with this owner's fence is ours. A key found free (this lease had
-        ended) is let go again at once, and one held by another owner is not ours."""
+        ended) is let go again at once, and one held by another owner is not ours. A
+        lookup that gets no answer (``unsure_complete``) raises: still unsure, not lost."""
         try:
             found = self._client.acquire(
                 self._namespace, self._key, ttl=1, fingerprint=self._fingerprint
             )
-        except LeaseError:
+        except LeaseError as error:
+            if unsure_complete(error):  # no answer to the lookup: still unsure, not lost
+                raise
             return None
         if isinstance(found, Completed):
             ours = self.grant is not None and found.fencing_token == self.grant.fencing_token
