@@ -263,7 +263,12 @@ async def test_the_texts_quote_the_configured_lifecycle(
     async with Client(create_mcp_server(service)) as client:
         tools = {tool.name: tool for tool in (await client.list_tools()).tools}
         instructions = client.instructions
-    assert instructions is not None and f"kept for {noun} " in instructions
+    assert instructions is not None and f"kept until {noun} after" in instructions
+    # Held as a result (the lease is yours) and held as a tool error (it is not) differ.
+    assert "owner_token, the lease is yours" in instructions
+    assert "status held means another worker owns the lease, so do not do the work" in (
+        instructions
+    )
     complete = tools["complete_lease"].description
     assert complete is not None and f"({noun} after its first acquire)" in complete
     fingerprint = tools["acquire_lease"].input_schema["properties"]["fingerprint"]

@@ -175,10 +175,12 @@ _OWNER_TOKEN: Final = {
 }
 _RESULT: Final = {
     "description": (
-        f"The job's result: any JSON value, at most {MAX_RESULT_BYTES:,} bytes as compact JSON. "
-        "Fields named like secrets (password, token, secret, api_key, authorization, cookie, "
-        'private_key...) are stored as "[redacted]"; keep secrets and personal data out of '
-        "other fields too."
+        f"The job's result: any JSON value, at most {MAX_RESULT_BYTES:,} bytes as compact JSON "
+        "(and the whole call under 64 KiB, or it is refused before the tool runs). Fields "
+        "whose name contains a secret's word (password, passwd, token, secret, apikey, "
+        "privatekey, authorization, cookie; case, '-', '_', '.' and spaces ignored, so "
+        'tokens_used and API-Key too) are stored as "[redacted]"; keep secrets and personal '
+        "data out of other fields too."
     ),
 }
 
@@ -362,12 +364,15 @@ _TOOLS: Final = (
 
 INSTRUCTIONS: Final = (
     "leasekeeper makes sure a job is done once: one worker at a time holds a lease on the "
-    "job's key, and the finished job's result is kept for 24 hours so that later callers reuse "
-    "it instead of doing the work again. Typical flow: create_lease_namespace once and keep the "
-    "namespace in your own state; acquire_lease with a key naming the job and a fingerprint of "
-    "its input; on status held, do the work, renew_lease before the lease expires, then "
-    "complete_lease with the result (or release_lease if you give up); on status completed, "
-    "reuse the result. Refusals are tool errors whose `status` says what to do next. The "
+    "job's key, and the finished job's result is kept until 24 hours after the key's first "
+    "acquire, so that later callers reuse it instead of doing the work again. Typical flow: "
+    "create_lease_namespace once and keep the namespace in your own state; acquire_lease with "
+    "a key naming the job and a fingerprint of its input; on a result with ok true, status "
+    "held and an owner_token, the lease is yours: do the work, renew_lease before the lease "
+    "expires, then complete_lease with the result (or release_lease if you give up); on "
+    "status completed, reuse the result. Refusals are tool errors (ok false) whose `status` "
+    "says what to do next: a tool error with status held means another worker owns the "
+    "lease, so do not do the work. The "
     "namespace, key, fingerprint and owner_token are secrets: never show them to users or "
     "write them to logs."
 )
