@@ -141,18 +141,19 @@ _DB_NOW_MS: Final = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint
 # another connection then says whether the transaction committed (PostgreSQL 10+).
 _READ_CLOCK_AND_TXID: Final = f"SELECT {_DB_NOW_MS}, txid_current_if_assigned()"
 _TXID_STATUS: Final = "SELECT txid_status(%s)"
-# Leasekeeper's meta table in the schema its tables are created in (current_schema():
-# the first schema of the search_path that exists), not anywhere on the search_path.
-_STORE_EXISTS: Final = (
-    "SELECT EXISTS (SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-    "WHERE n.nspname = current_schema() AND c.relname = 'leasekeeper_meta')"
-)
-# The fencing sequence, in the schema the store's statements create and use (not any
-# schema on the search path, where another store's could stand).
-_FENCE_EXISTS: Final = (
+
+
+# Whether a relation is in the schema the store's statements create and use
+# (current_schema(): the first schema of the search_path that exists), not anywhere on
+# the search_path, where another store's could stand: the meta table, the sequence.
+_IN_OWN_SCHEMA: Final = (
     "EXISTS (SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-    "WHERE n.nspname = current_schema() AND c.relname = 'leasekeeper_fence')"
+    "WHERE n.nspname = current_schema() AND c.relname = "
 )
+_META_IN_OWN_SCHEMA: Final = _IN_OWN_SCHEMA + "'leasekeeper_meta')"
+_FENCE_IN_OWN_SCHEMA: Final = _IN_OWN_SCHEMA + "'leasekeeper_fence')"
+_STORE_EXISTS: Final = "SELECT " + _META_IN_OWN_SCHEMA
+_FENCE_EXISTS: Final = "SELECT " + _FENCE_IN_OWN_SCHEMA
 
 _BEGIN: Final = "BEGIN ISOLATION LEVEL READ COMMITTED"
 # A batch's rows, locked in key order: two batches (of any instances) that share keys
@@ -208,7 +209,9 @@ _PURGE_AT: Final = (
 _PING: Final = "SELECT 1 FROM leasekeeper_leases LIMIT 0"
 # What a write needs besides the table: a session that may write (not a read-only
 # database, nor a standby reached by an old connection) and the fencing sequence.
-_CAN_WRITE: Final = "SELECT current_setting('transaction_read_only') = 'off', " + _FENCE_EXISTS
+_CAN_WRITE: Final = (
+    "SELECT current_setting('transaction_read_only') = 'off', " + _FENCE_IN_OWN_SCHEMA
+)
 # Raising the counter (``raise_fence``). setval() alone could race another
 # instance's nextval(): read 10, another session draws 11, setval(10) takes it back.
 # ALTER SEQUENCE locks the sequence until COMMIT, and nextval() waits for that lock
@@ -833,7 +836,7 @@ class PostgresStore:
                     "The PostgreSQL database must use the UTF8 encoding so that results "
                     "round-trip exactly"
                 )
-            sequence = await conn.execute("SELECT " + _FENCE_EXISTS)
+            sequence = await conn.execute(_FENCE_EXISTS)
             sequence_was_missing = await sequence.fetchone() == (False,)
             for statement in _DDL:
                 await conn.execute(statement)
