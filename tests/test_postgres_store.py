@@ -228,6 +228,97 @@ def test_a_missing_search_path_schema_is_explained(url: str) -> None:
         asyncio.run(store.open())
 
 
+def test_a_schema_created_before_the_stores_on_the_search_path_does_not_move_it(
+    url: str, clock: FakeClock
+) -> None:
+    """The default search_path is ``"$user", public``: a store made in ``public`` moves
+    to a schema named after the role the moment someone creates one, unless it is pinned.
+    A running instance keeps the schema it opened in, whatever is created ahead of it on
+    the search_path (it would otherwise see an empty store there, with a counter from 1);
+    an instance started afterwards refuses to open rather than make a second store in
+    the new first schema, and says which schema holds the store."""
+    from leasekeeper.store._postgres import PostgresStore
+
+    first, store_schema = new_schema_name(), new_schema_name()
+    with admin(url) as conn:
+        conn.execute(f'CREATE SCHEMA "{store_schema}"')  # "first" does not exist yet
+    path = url_with(url, options=f"-csearch_path={first},{store_schema}")
+    key = new_id()
+
+    def store() -> Any:
+        return PostgresStore(path, application_name=store_schema, clock=clock)
+
+    async def main() -> None:
+        async with opened(store()) as running:
+            granted = await running.apply(acquire(key))
+            assert isinstance(granted.outcome, Granted)
+            token = granted.outcome.record.fencing_token
+            with admin(url) as conn:
+                conn.execute(f'CREATE SCHEMA "{first}"')
+            # Another store opened in the new first schema, tables and counter from 1.
+            async with opened(PostgresStore(url, schema=first, clock=clock)) as other:
+                assert isinstance((await other.apply(acquire(new_id()))).outcome, Granted)
+            # The running instance still decides on its own records.
+            again = await running.apply(acquire(key))
+            assert isinstance(again.outcome, Held)
+            clock.advance(TTL / 1000)
+            later = await running.apply(acquire(key))
+            assert isinstance(later.outcome, Granted)
+            assert later.outcome.record.fencing_token > token
+        with admin(url) as conn:
+            conn.execute(f'DROP SCHEMA "{first}" CASCADE')
+            conn.execute(f'CREATE SCHEMA "{first}"')
+        with pytest.raises(ServiceUnavailable) as refused:
+            await store().open()
+        message = str(refused.value)
+        assert f'"{first}"' in message and f'"{store_schema}"' in message, message
+        assert "search_path" in message and url not in message
+        with admin(url) as conn:
+            created = conn.execute(
+                "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE n.nspname = %s",
+                (first,),
+            ).fetchone()
+        assert created == (0,)
+
+    try:
+        asyncio.run(main())
+    finally:
+        drop_schema(url, first)
+        drop_schema(url, store_schema)
+
+
+def test_a_schema_whose_name_needs_quoting_is_pinned(url: str, clock: FakeClock) -> None:
+    """The pinned search_path quotes the schema's name: capitals, a space, a quote."""
+    from leasekeeper.store._postgres import PostgresStore
+
+    name = f'Lease "Store" {new_schema_name()}'
+    quoted = '"' + name.replace('"', '""') + '"'
+    with admin(url) as conn:
+        conn.execute(f"CREATE SCHEMA {quoted}")
+    path = url_with(url, options="-csearch_path=" + quoted.replace(" ", "\\ "))
+
+    async def main() -> int:
+        async with opened(PostgresStore(path, clock=clock)) as store:
+            decision = await store.apply(acquire())
+            assert isinstance(decision.outcome, Granted)
+            async with store._pool.connection() as conn:
+                shown = await (await conn.execute("SHOW search_path")).fetchone()
+            assert shown == (quoted,)
+            return decision.outcome.record.fencing_token
+
+    try:
+        assert asyncio.run(main()) == 1
+        with admin(url) as conn:
+            tables = conn.execute(
+                "SELECT count(*) FROM pg_tables WHERE schemaname = %s", (name,)
+            ).fetchone()
+        assert tables == (2,)
+    finally:
+        with admin(url) as conn:
+            conn.execute(f"DROP SCHEMA {quoted} CASCADE")
+
+
 def test_fence_and_cleanup_create_no_store_in_an_empty_schema(
     make_store: StoreFactory, url: str
 ) -> None:

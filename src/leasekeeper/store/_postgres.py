@@ -155,6 +155,15 @@ _FENCE_IN_OWN_SCHEMA: Final = _IN_OWN_SCHEMA + "'leasekeeper_fence')"
 _STORE_EXISTS: Final = "SELECT " + _META_IN_OWN_SCHEMA
 _FENCE_EXISTS: Final = "SELECT " + _FENCE_IN_OWN_SCHEMA
 
+# The schema the store would be in (the first existing one of the search_path), and
+# the schemas of the search_path that hold a store, in its order.
+_WHERE_THE_STORE_IS: Final = (
+    "SELECT current_schema(), ARRAY(SELECT n.nspname::text FROM pg_class c "
+    "JOIN pg_namespace n ON n.oid = c.relnamespace "
+    "WHERE c.relname = 'leasekeeper_meta' AND n.nspname = ANY (current_schemas(false)) "
+    "ORDER BY array_position(current_schemas(false), n.nspname))"
+)
+
 _BEGIN: Final = "BEGIN ISOLATION LEVEL READ COMMITTED"
 # A batch's rows, locked in key order: two batches (of any instances) that share keys
 # take their locks in the same order, so they queue instead of deadlocking.
@@ -290,7 +299,8 @@ class PostgresStore:
     each statement, and the call as a whole. ``schema`` puts the tables in that
     schema, creating it if needed; otherwise they go where the connection's
     ``search_path`` points (for example ``?options=-csearch_path%3Dname`` in the
-    URL). ``application_name`` names the connections in ``pg_stat_activity``.
+    URL): its first existing schema, looked up when the store opens and kept while
+    it is open (``_pinned``). ``application_name`` names the connections in ``pg_stat_activity``.
 
     ``max_size`` is the most connections the store opens (its pool keeps at least
     ``min_size``, at most ``max_size``; ``LEASEKEEPER_POSTGRES_POOL_SIZE``). Up to
@@ -348,25 +358,30 @@ class PostgresStore:
         async with self._open_lock:
             if self._pool is not None:
                 return
-            pool: AsyncConnectionPool[Connection] = AsyncConnectionPool(
-                self._conninfo,
-                kwargs={"autocommit": True},
-                min_size=self._min_size,
-                max_size=self._max_size,
-                open=False,
-                name="leasekeeper",
-                timeout=self._timeout,
-                # A connection that cannot be re-established is retried with
-                # backoff for this long, then on demand: keeps recovery after a
-                # long outage within seconds.
-                reconnect_timeout=max(10.0, 2 * self._timeout),
-            )
+            pool: AsyncConnectionPool[Connection] | None = None
             try:
+                if self.schema is None:
+                    async with asyncio.timeout(self._timeout):
+                        self._conninfo = await self._pinned(self._conninfo)
+                pool = AsyncConnectionPool(
+                    self._conninfo,
+                    kwargs={"autocommit": True},
+                    min_size=self._min_size,
+                    max_size=self._max_size,
+                    open=False,
+                    name="leasekeeper",
+                    timeout=self._timeout,
+                    # A connection that cannot be re-established is retried with
+                    # backoff for this long, then on demand: keeps recovery after a
+                    # long outage within seconds.
+                    reconnect_timeout=max(10.0, 2 * self._timeout),
+                )
                 await pool.open(wait=True, timeout=self._timeout)
                 async with asyncio.timeout(self._timeout * 2):
                     await self._migrate(pool)
             except BaseException as exc:
-                await pool.close()
+                if pool is not None:
+                    await pool.close()
                 if isinstance(exc, pg_errors.InvalidSchemaName):
                     raise ServiceUnavailable(
                         "Cannot open the PostgreSQL store: the search_path names no existing "
@@ -380,6 +395,33 @@ class PostgresStore:
                     raise ServiceUnavailable(f"Cannot open the PostgreSQL store: {reason}") from exc
                 raise
             self._pool = pool
+
+    async def _pinned(self, conninfo: str) -> str:
+        """``conninfo`` with the search_path set to the one schema the store is in.
+
+        Without ``schema=``, the store is in the first existing schema of the search
+        path (``current_schema()``), which moves when someone creates a schema ahead
+        of it: the default ``"$user", public`` takes a schema named after the role the
+        moment it exists. Looked up once, here, and then set on every connection, the
+        schema stays put for as long as the store is open. A search path whose first
+        schema holds no store while a later one does is refused: the store would
+        otherwise start over, empty and with a counter from 1, beside the real one.
+        """
+        async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
+            row = await (await conn.execute(_WHERE_THE_STORE_IS)).fetchone()
+        current, holding = row if row is not None else (None, [])
+        if current is None:  # no schema to create the tables in: _migrate explains
+            return conninfo
+        if holding and current not in holding:
+            raise ServiceUnavailable(
+                f'Cannot open the PostgreSQL store: the first schema of the search_path, "'
+                f'{current}", holds no leasekeeper store, but "{holding[0]}", later on it, '
+                "does; name the schema to use in the URL (options=-csearch_path%3DNAME)"
+            )
+        params = conninfo_to_dict(conninfo)
+        pinned = _option_value('"' + current.replace('"', '""') + '"')
+        params["options"] = f"{params.get('options') or ''} -c search_path={pinned}".strip()
+        return make_conninfo("", **params)
 
     async def _why_no_connection(self) -> str | None:
         """Why a connection cannot be made (libpq's reason: refused, no such database or
@@ -954,6 +996,12 @@ def _conninfo(url: str, timeout: float, schema: str | None, application_name: st
     params.setdefault("keepalives_count", "3")
     params.setdefault("tcp_user_timeout", str(ms))
     return make_conninfo("", **params)
+
+
+def _option_value(value: str) -> str:
+    """``value`` as one word of libpq's ``options``, which splits on whitespace and
+    takes a backslash as an escape."""
+    return re.sub(r"([\\\s])", r"\\\1", value)
 
 
 async def _end_transaction(conn: Connection) -> None:
