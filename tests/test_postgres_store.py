@@ -173,6 +173,19 @@ def test_concurrent_starts_create_one_schema(make_store: StoreFactory, url: str)
     asyncio.run(main())
 
 
+def test_a_new_store_says_in_which_schema_and_an_existing_one_does_not(
+    make_store: StoreFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Opening makes a new, empty store (its counter from 1) wherever the schema has
+    none: the log names the schema, once, so that a wrong search_path shows."""
+    store = make_store("postgres")
+    with caplog.at_level(logging.INFO, logger="leasekeeper.store.postgres"):
+        create_schema(store)
+        create_schema(make_store("postgres", like=store))
+    created = [r.getMessage() for r in caplog.records if "new, empty store" in r.getMessage()]
+    assert created == [f"created a new, empty store in the schema {store.schema}"]  # type: ignore[attr-defined]
+
+
 def test_schema_keeps_digests_as_bytea_times_as_bigint_results_as_text(
     make_store: StoreFactory, url: str
 ) -> None:

@@ -740,3 +740,21 @@ def test_readiness_is_not_failed_by_a_write_lock_held_too_long(
             await store.close()
 
     asyncio.run(main())
+
+
+def test_a_new_store_says_where_it_was_created_and_an_existing_one_does_not(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server started in another directory than usual makes a new, empty store (with
+    its fencing counter from 1) beside the real one: the log says where, once."""
+
+    async def open_and_close() -> None:
+        store = SqliteStore(tmp_path / "leases.db")
+        await store.open()
+        await store.close()
+
+    with caplog.at_level(logging.INFO, logger="leasekeeper.store.sqlite"):
+        asyncio.run(open_and_close())
+        asyncio.run(open_and_close())
+    created = [r.getMessage() for r in caplog.records if "new, empty store" in r.getMessage()]
+    assert created == [f"created a new, empty store at {(tmp_path / 'leases.db').resolve()}"]

@@ -884,11 +884,13 @@ class PostgresStore:
                 await conn.execute(statement)
             if sequence_was_missing:
                 await self._restart_fence_above_the_table(conn)
-            await conn.execute(
+            created = await conn.execute(
                 "INSERT INTO leasekeeper_meta (name, value) VALUES ('schema_version', %s) "
-                "ON CONFLICT (name) DO NOTHING",
+                "ON CONFLICT (name) DO NOTHING RETURNING current_schema()",
                 (SCHEMA_VERSION,),
             )
+            if (new_in := await created.fetchone()) is not None:
+                log.info("created a new, empty store in the schema %s", new_in[0])
             found = await conn.execute(
                 "SELECT value FROM leasekeeper_meta WHERE name = 'schema_version'"
             )

@@ -612,10 +612,10 @@ class SqliteStore:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     conn.execute(statement)
-            conn.execute(
+            created = conn.execute(
                 "INSERT OR IGNORE INTO meta (name, value) VALUES ('schema_version', ?)",
                 (SCHEMA_VERSION,),
-            )
+            ).rowcount
             (version,) = conn.execute(
                 "SELECT value FROM meta WHERE name = 'schema_version'"
             ).fetchone()
@@ -629,6 +629,8 @@ class SqliteStore:
             conn.execute("ROLLBACK")
             conn.close()
             raise
+        if created:  # a server started in another directory than usual shows here
+            log.info("created a new, empty store at %s", self.path.resolve())
         # The event loop takes the write lock without waiting (SqliteStore._next); the
         # thread sets the timeout around its own BEGIN (_run_batch).
         conn.execute("PRAGMA busy_timeout = 0")
