@@ -232,6 +232,17 @@ class TestKeys:
         assert "uuid" in caught.value.error and "namespace" in caught.value.error
         assert key not in caught.value.error
 
+    def test_a_refused_keys_entropy_is_never_shown_as_enough(self) -> None:
+        """The message gives the measure rounded down to a tenth: 99.6 bits is not "100"
+        beside "at least 100"."""
+        with pytest.raises(InvalidRequest) as caught:
+            validation.check_bare_key("bce0a63c5c98656c35869b666b660c79")  # 99.596 bits
+        assert "at least 100 bits" in caught.value.error
+        assert "this one has 99.5)" in caught.value.error
+        with pytest.raises(InvalidRequest) as caught:
+            validation.check_bare_key("order-0000000000000000000000000001")  # 42.59 bits
+        assert "this one has 42.5)" in caught.value.error
+
     @pytest.mark.parametrize(
         "key",
         [

@@ -250,7 +250,7 @@ def check_bare_key(key: str) -> None:
         raise InvalidRequest(
             f"Invalid key: without a namespace a key must look random (at least "
             f"{MIN_BARE_KEY_BITS:.0f} bits of entropy by its own character frequencies, "
-            f"this one has {bits:.0f}); {advice}"
+            f"this one has {math.floor(bits * 10) / 10:.1f}); {advice}"
         )
 
 
