@@ -256,6 +256,24 @@ def test_secrets_from_files_and_stdin(cli: Cli, tmp_path: Path) -> None:
     assert cli("acquire", "--key", "readable").exit_code == EXIT_INVALID
 
 
+def test_a_key_or_fingerprint_file_gives_the_value_the_flag_would(cli: Cli, tmp_path: Path) -> None:
+    """Keys and fingerprints may begin or end with spaces: their files lose only the line
+    ending at the end, so that --key-file names the key --key names (else a run keyed
+    one way and then the other would do the work twice)."""
+    key, fingerprint = " nightly:15492 ", " v1\t"
+    (tmp_path / "key").write_text(key)
+    (tmp_path / "key-crlf").write_bytes((key + "\r\n").encode())
+    (tmp_path / "fp").write_text(fingerprint + "\n")
+    first = cli("acquire", "--key", key, "--fingerprint", fingerprint, "--ttl", "60")
+    assert first.exit_code == 0, first.output
+    for key_file in ("key", "key-crlf"):
+        again = cli("acquire", "--key-file", str(tmp_path / key_file),
+                    "--fingerprint-file", str(tmp_path / "fp"))  # fmt: skip
+        assert again.exit_code == EXIT_HELD, again.output  # the same key and fingerprint
+    other = cli("acquire", "--key", key.strip(), "--fingerprint", fingerprint)
+    assert other.exit_code == 0, other.output  # without the spaces: another key
+
+
 def test_acquire_wait_reports_progress_on_a_terminal(cli: Cli) -> None:
     """Waiting is told on stderr when it is a terminal, and not otherwise."""
     cli("acquire", "--key", "busy", "--ttl", "60")

@@ -111,6 +111,35 @@ def test_many_processes_run_the_job_exactly_once(server: str, tmp_path: Path) ->
     assert all(err == b"" for _, err in outputs)  # quiet in pipes
 
 
+def test_commands_started_with_a_standard_stream_closed(server: str, tmp_path: Path) -> None:
+    """Started with stdout closed (``>&-``), where Python has no stream at all, acquire
+    says it cannot write the output and releases the lease whose owner token nobody got
+    (exit 1), and namespace does not throw a minted secret away with exit 0; with stderr
+    closed (as some supervisors start jobs) run runs its command; ``-`` with stdin closed
+    is a usage error (2)."""
+    env = cli_env(server, LEASEKEEPER_NAMESPACE=mint(server))
+    leasekeeper = f"'{LEASEKEEPER}'"
+
+    def shell(command: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            ["bash", "-c", command], env=env, capture_output=True, timeout=60, check=False
+        )
+
+    lost = shell(f"{leasekeeper} acquire --key closed-stdout --ttl 600 >&-")
+    assert lost.returncode == 1, lost.stderr
+    assert lost.stderr == b"leasekeeper: cannot write the output: it is closed\n"
+    again = shell(f"{leasekeeper} acquire --key closed-stdout")
+    assert again.returncode == 0, again.stderr  # released, not held for 600 s
+    minted = shell(f"{leasekeeper} namespace >&-")
+    assert minted.returncode == 1, minted.stderr
+    ran = tmp_path / "ran"
+    quiet = shell(f"{leasekeeper} run --key closed-stderr -- touch '{ran}' 2>&-")
+    assert quiet.returncode == 0 and ran.exists(), quiet.stdout
+    no_stdin = shell(f"{leasekeeper} acquire --key k --namespace-file - <&-")
+    assert no_stdin.returncode == 2
+    assert b"--namespace-file: cannot read the file (stdin is closed)" in no_stdin.stderr
+
+
 # ``run`` as a subreaper (as PID 1 in a container is): orphans of the command become
 # its children, and their zombies its to reap. PR_SET_CHILD_SUBREAPER is 36 (Linux).
 _AS_SUBREAPER = (

@@ -118,7 +118,7 @@ def _default_client(url: str, timeout: float) -> LeaseClient:
 
 
 def _stderr_is_terminal() -> bool:
-    return sys.stderr.isatty()
+    return sys.stderr is not None and sys.stderr.isatty()  # None: started with fd 2 closed
 
 
 @dataclass(frozen=True)
@@ -155,6 +155,10 @@ class _OutputLost(Exception):
 
 
 def _print_json(body: Mapping[str, Any], *, err: bool = False) -> None:
+    # Started with the descriptor closed, Python has None for the stream, and click.echo
+    # would write nothing and say nothing: the answer (an owner token) would be lost.
+    if (sys.stderr if err else sys.stdout) is None:
+        raise _OutputLost(f"cannot write the {'error' if err else 'output'}: it is closed")
     # The client's own encoding (Python's json): a result may hold integers past 64 bits.
     try:
         click.echo(encode(dict(body)).decode("utf-8"), err=err)
@@ -179,7 +183,7 @@ def _fail(error: LeaseError, *, err: bool = False) -> NoReturn:
 def _say_output_lost(lost: _OutputLost) -> None:
     """One line on stderr if it can be written; stdout pointed at /dev/null, so Python's own
     flush at exit does not fail a second time ("Exception ignored ... BrokenPipeError")."""
-    with contextlib.suppress(OSError, ValueError):
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # None: closed at start
         devnull = os.open(os.devnull, os.O_WRONLY)
         try:
             os.dup2(devnull, sys.stdout.fileno())
@@ -271,13 +275,20 @@ def _owner_token_options(function: F) -> F:
     return decorate(function)  # type: ignore[no-any-return]
 
 
-def _read_file(path: str, option: str) -> str:
+def _read_file(path: str, option: str, *, exact: bool = False) -> str:
+    """The file's text (``-``: stdin's), without its surrounding whitespace; ``exact``
+    (for keys and fingerprints, which may begin or end with spaces) drops only one
+    line ending at the end, so that the value is the one ``--key`` would give."""
+    if path == "-" and sys.stdin is None:  # started with fd 0 closed
+        raise click.UsageError(f"{option}: cannot read the file (stdin is closed)")
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise click.UsageError(
             f"{option}: cannot read the file ({exc.__class__.__name__})"
         ) from None
+    if exact:
+        return text.removesuffix("\n").removesuffix("\r")
     return text.strip()
 
 
@@ -307,7 +318,7 @@ def _secret(
             raise click.UsageError(f"--{name}-env: the environment variable {env_name} is empty")
         return value
     if path is not None:
-        value = _read_file(path, f"--{name}-file")
+        value = _read_file(path, f"--{name}-file", exact=json_field is None)
         if json_field is not None and value.startswith("{"):
             try:
                 value = str(decode(value).get(json_field) or "")
