@@ -452,6 +452,29 @@ def test_fence_refuses_a_damaged_sqlite_store(tmp_path: Path) -> None:
     assert db.read_bytes() == before
 
 
+def test_fence_on_a_sound_store_it_cannot_check_does_not_call_it_damaged(tmp_path: Path) -> None:
+    """A sound store in a directory that cannot be written (a read-only account: SQLite
+    cannot make the ``-shm`` a reader of a WAL store needs) is not "damaged, restore it
+    from a backup", which would throw away every result completed since the backup."""
+    home = tmp_path / "ro"
+    home.mkdir()
+    db = home / "lk.db"
+    _expired_records(db, 3)
+    assert not (home / "lk.db-wal").exists()  # closed cleanly
+    locked = ["chattr", "+i"] if os.geteuid() == 0 else ["chmod", "0555"]  # root ignores modes
+    unlocked = ["chattr", "-i"] if os.geteuid() == 0 else ["chmod", "0755"]
+    subprocess.run([*locked, str(home)], check=True)
+    try:
+        done = CliRunner().invoke(main, ["fence", "--store", f"sqlite:///{db}"])
+    finally:
+        subprocess.run([*unlocked, str(home)], check=True)
+    assert done.exit_code == 1, done.output
+    assert "fence failed: Cannot check the SQLite store at" in done.output, done.output
+    assert "damaged" not in done.output and "backup" not in done.output
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+
+
 def _insert_rows(db: Path, first: int, count: int) -> None:
     with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as conn:
         rows = [(os.urandom(32), None, 1, first + i, None, 1, None, "x" * 200, 1)

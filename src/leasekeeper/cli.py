@@ -273,7 +273,11 @@ def _once(
         # After a restore, before anything else (fence only: cleanup runs from cron
         # beside servers, and the check reads the whole file in one read transaction).
         if command == "fence":
-            damage = asyncio.run(durable.damage())
+            try:
+                damage = asyncio.run(durable.damage())
+            except Exception as exc:
+                click.echo(f"{command} failed: {exc}", err=True)
+                sys.exit(1)
             if damage is not None:
                 click.echo(
                     f"{command} refused: {damage}; "

@@ -369,12 +369,19 @@ class SqliteStore:
         (``PRAGMA integrity_check``), or None when it finds none: for ``leasekeeper
         fence``, run after a restore, where a store copied over a leftover WAL is damaged
         in ways ``quick_check`` does not look for (the order of a table without rowids).
-        It reads the whole file."""
+        It reads the whole file; ``ServiceUnavailable`` when it cannot be read at all.
+        """
         try:
             with self._read_only() as conn:  # never immutable: servers may be writing
                 found = conn.execute("PRAGMA integrity_check(1)").fetchone()
         except sqlite3.DatabaseError as exc:
-            return f"the SQLite store is damaged ({exc})"
+            code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
+            if code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
+                return f"the SQLite store is damaged ({exc})"
+            # Not the file's fault (a read-only directory, a lock held too long): a
+            # sound store must not be sent back to a backup.
+            why = f"Cannot check the SQLite store at {self.path}: {exc}"
+            raise ServiceUnavailable(why) from None
         if found is not None and found[0] == "ok":
             return None
         return f"the SQLite store is damaged ({found[0] if found else ''})"
