@@ -474,6 +474,9 @@ def test_sigquit_is_passed_on_and_usr1_does_not_cancel_recording(cli: Cli, tmp_p
                  "sh", "-c", f"touch {ready}; exec sleep 30")  # fmt: skip
     sender.join()
     assert result.exit_code == 128 + signal.SIGQUIT, result.output
+    report = json.loads(result.stderr.splitlines()[-1])  # said, not silent
+    assert report["status"] == "interrupted" and report["exit_code"] == 128 + signal.SIGQUIT
+    assert "SIGQUIT: its status is not recorded" in report["error"]
     assert cli("acquire", "--key", "q").exit_code == 0  # not recorded
 
     ready.unlink()
@@ -487,6 +490,35 @@ def test_sigquit_is_passed_on_and_usr1_does_not_cancel_recording(cli: Cli, tmp_p
     recorded = cli("acquire", "--key", "u")
     assert recorded.exit_code == EXIT_COMPLETED
     assert cli.json(recorded)["result"] == {"exit_code": 5}
+
+
+def test_a_signal_while_the_status_is_stored_is_said_and_the_lease_let_go(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM while run stores the status (retried for as long as the lease is held,
+    seconds when the service is down) stops the storing: run says so with the status on
+    stderr, releases the lease and exits 128 + N, where the default action would end it
+    silently with the key held to its TTL."""
+    real_complete = LeaseClient.complete
+
+    def complete_during_a_signal(self: Any, *args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)  # handled between two bytecodes, before sending
+        return real_complete(self, *args, **kwargs)
+
+    seen: list[int] = []  # the test's own handler: without run's, SIGTERM is only noted
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    monkeypatch.setattr(LeaseClient, "complete", complete_during_a_signal)
+    try:
+        result = cli("run", "--key", "storing", "--ttl", "600", "--complete", "--", "true")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    monkeypatch.undo()
+    assert result.exit_code == 128 + signal.SIGTERM, result.output
+    report = json.loads(result.stderr.splitlines()[-1])
+    assert report["status"] == "interrupted" and report["exit_code"] == 0
+    assert "SIGTERM while the status was being stored" in report["error"]
+    assert seen == []
+    assert cli("acquire", "--key", "storing").exit_code == 0  # released, and not stored
 
 
 def test_a_signal_run_was_told_to_ignore_stays_ignored(cli: Cli, tmp_path: Path) -> None:

@@ -653,6 +653,39 @@ def _forward_signals(
             signal.signal(signum, handler)
 
 
+class _Interrupted(KeyboardInterrupt):
+    """SIGINT, SIGTERM, SIGHUP or SIGQUIT while ``run`` stores the command's status (a
+    KeyboardInterrupt, so that the lease takes the ``complete`` under way as unsure)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[None]:
+    """While storing the status: an interruption stops the storing (which may be retried
+    for as long as the lease is held) with ``_Interrupted``, so that ``run`` can still
+    say so and let the lease go, where the default action would end it silently."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise _Interrupted(signum)
+
+    previous = {
+        signum: signal.signal(signum, interrupt)
+        for signum in _INTERRUPTIONS
+        if signal.getsignal(signum) is not signal.SIG_IGN
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def _terminate(process: subprocess.Popen[bytes], terminated: list[float]) -> None:
     """SIGTERM the command's whole group once: ``terminated`` keeps when it was sent.
 
@@ -834,9 +867,18 @@ def _run_held(
         lost = held.lost_error.error if held.lost_error else "the lease was lost"
         _report({"ok": False, "status": "lost", "error": lost, "exit_code": status})
         return EXIT_LOST
-    if options["record"] and not received:
+    if options["record"] and received:
+        why = f"the command was sent {signal.Signals(received[0]).name}: its status is not recorded"
+        _report({"ok": False, "status": "interrupted", "error": why, "exit_code": status})
+    elif options["record"]:
         try:
-            client._complete_once(held, {"exit_code": status})  # retried while held
+            with _interruptible():
+                client._complete_once(held, {"exit_code": status})  # retried while held
+        except _Interrupted as stop:  # the lease is let go on the way out
+            name = signal.Signals(stop.signum).name
+            why = f"{name} while the status was being stored: it may not have been"
+            _report({"ok": False, "status": "interrupted", "error": why, "exit_code": status})
+            return 128 + stop.signum
         except LeaseError as error:  # the status is said, since it could not be stored
             _report({**error.body(), "exit_code": status})
             return exit_code(error)
