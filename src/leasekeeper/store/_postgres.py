@@ -340,7 +340,9 @@ class PostgresStore:
         self._refusals = Refusals(paced)
         self._timeout = timeout_seconds
         self._deadlines = Deadlines(timeout_seconds)
-        self._conninfo = _conninfo(url, timeout_seconds, schema, application_name)
+        self._given_conninfo = _conninfo(url, timeout_seconds, schema, application_name)
+        #: What the pool connects with: the given one, with the schema pinned once open.
+        self._conninfo = self._given_conninfo
         self._min_size = min(min_size, max_size)
         self._max_size = max_size
         self._pool: AsyncConnectionPool[Connection] | None = None
@@ -360,23 +362,13 @@ class PostgresStore:
                 return
             pool: AsyncConnectionPool[Connection] | None = None
             try:
-                if self.schema is None:
-                    async with asyncio.timeout(self._timeout):
-                        self._conninfo = await self._pinned(self._conninfo)
-                pool = AsyncConnectionPool(
-                    self._conninfo,
-                    kwargs={"autocommit": True},
-                    min_size=self._min_size,
-                    max_size=self._max_size,
-                    open=False,
-                    name="leasekeeper",
-                    timeout=self._timeout,
-                    # A connection that cannot be re-established is retried with
-                    # backoff for this long, then on demand: keeps recovery after a
-                    # long outage within seconds.
-                    reconnect_timeout=max(10.0, 2 * self._timeout),
-                )
-                await pool.open(wait=True, timeout=self._timeout)
+                pool = await self._new_pool(self._given_conninfo)
+                if self.schema is None:  # look the schema up, then pin it (_pinned)
+                    async with pool.connection() as conn:
+                        self._conninfo = await self._pinned(conn, self._given_conninfo)
+                    await pool.close()
+                    pool = None
+                    pool = await self._new_pool(self._conninfo)
                 async with asyncio.timeout(self._timeout * 2):
                     await self._migrate(pool)
             except BaseException as exc:
@@ -396,7 +388,28 @@ class PostgresStore:
                 raise
             self._pool = pool
 
-    async def _pinned(self, conninfo: str) -> str:
+    async def _new_pool(self, conninfo: str) -> AsyncConnectionPool[Connection]:
+        """An open pool on ``conninfo``: connecting is retried for up to the timeout."""
+        pool: AsyncConnectionPool[Connection] = AsyncConnectionPool(
+            conninfo,
+            kwargs={"autocommit": True},
+            min_size=self._min_size,
+            max_size=self._max_size,
+            open=False,
+            name="leasekeeper",
+            timeout=self._timeout,
+            # A connection that cannot be re-established is retried with backoff for
+            # this long, then on demand: keeps recovery after a long outage within seconds.
+            reconnect_timeout=max(10.0, 2 * self._timeout),
+        )
+        try:
+            await pool.open(wait=True, timeout=self._timeout)
+        except BaseException:
+            await pool.close()
+            raise
+        return pool
+
+    async def _pinned(self, conn: Connection, conninfo: str) -> str:
         """``conninfo`` with the search_path set to the one schema the store is in.
 
         Without ``schema=``, the store is in the first existing schema of the search
@@ -407,8 +420,7 @@ class PostgresStore:
         schema holds no store while a later one does is refused: the store would
         otherwise start over, empty and with a counter from 1, beside the real one.
         """
-        async with await psycopg.AsyncConnection.connect(conninfo, autocommit=True) as conn:
-            row = await (await conn.execute(_WHERE_THE_STORE_IS)).fetchone()
+        row = await (await conn.execute(_WHERE_THE_STORE_IS)).fetchone()
         current, holding = row if row is not None else (None, [])
         if current is None:  # no schema to create the tables in: _migrate explains
             return conninfo
