@@ -256,6 +256,22 @@ def test_secrets_from_files_and_stdin(cli: Cli, tmp_path: Path) -> None:
     assert cli("acquire", "--key", "readable").exit_code == EXIT_INVALID
 
 
+def test_stdin_read_for_two_options_and_a_namespace_that_is_not_text(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """``-`` for two options: the second would read nothing and be told its file holds no
+    value; said as it is instead. A namespace file whose ``namespace`` is not a string
+    is a usage error, not a request the service refuses."""
+    both = cli("complete", "--key", "k", "--owner-token-file", "-", "--result-file", "-",
+               input='{"a": 1}')  # fmt: skip
+    assert both.exit_code == 2
+    assert "--owner-token-file: stdin (-) is already read for --result-file" in both.stderr
+    (tmp_path / "ns.json").write_text('{"namespace": 5}')
+    number = cli("acquire", "--key", "k", "--namespace-file", str(tmp_path / "ns.json"))
+    assert number.exit_code == 2
+    assert "--namespace-file: its namespace is not a string" in number.stderr
+
+
 def test_a_key_or_fingerprint_file_gives_the_value_the_flag_would(cli: Cli, tmp_path: Path) -> None:
     """Keys and fingerprints may begin or end with spaces: their files lose only the line
     ending at the end, so that --key-file names the key --key names (else a run keyed

@@ -279,8 +279,15 @@ def _read_file(path: str, option: str, *, exact: bool = False) -> str:
     """The file's text (``-``: stdin's), without its surrounding whitespace; ``exact``
     (for keys and fingerprints, which may begin or end with spaces) drops only one
     line ending at the end, so that the value is the one ``--key`` would give."""
-    if path == "-" and sys.stdin is None:  # started with fd 0 closed
-        raise click.UsageError(f"{option}: cannot read the file (stdin is closed)")
+    if path == "-":
+        if sys.stdin is None:  # started with fd 0 closed
+            raise click.UsageError(f"{option}: cannot read the file (stdin is closed)")
+        # Read once, it is empty the second time: not "no value in the file".
+        meta = click.get_current_context().meta
+        if meta.setdefault("leasekeeper.stdin", option) != option:
+            raise click.UsageError(
+                f"{option}: stdin (-) is already read for {meta['leasekeeper.stdin']}"
+            )
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -321,9 +328,12 @@ def _secret(
         value = _read_file(path, f"--{name}-file", exact=json_field is None)
         if json_field is not None and value.startswith("{"):
             try:
-                value = str(decode(value).get(json_field) or "")
+                found = decode(value).get(json_field) or ""
             except (ValueError, AttributeError):
                 raise click.UsageError(f"--{name}-file: the file is not valid JSON") from None
+            if not isinstance(found, str):
+                raise click.UsageError(f"--{name}-file: its {json_field} is not a string")
+            value = found
         if not value:
             raise click.UsageError(f"--{name}-file: no {name} in the file")
         return value
