@@ -715,6 +715,25 @@ def test_a_store_that_cannot_be_opened_is_said_in_one_line(
     assert errors[0].startswith("Cannot open the ") and why.format(tmp=tmp_path) in errors[0]
 
 
+@pytest.mark.parametrize("closed", ["<&-", ">&-"])
+def test_mcp_over_stdio_with_a_stream_closed_says_so_in_one_line(
+    tmp_path: Path, closed: str
+) -> None:
+    """``leasekeeper mcp`` started with stdin or stdout closed (Python has no stream for
+    it) exits 1 with one ERROR line, not a traceback, and opens no store."""
+    command = f"'{sys.executable}' -m leasekeeper.cli mcp --store 'sqlite:///{tmp_path}/lk.db'"
+    done = subprocess.run(
+        ["bash", "-c", f"{command} {closed}"], capture_output=True, timeout=60, check=False
+    )
+    assert done.returncode == 1, done.stderr
+    assert b"Traceback" not in done.stderr
+    records = [json.loads(line) for line in done.stderr.decode().splitlines()]
+    assert [r["message"] for r in records if r["level"] == "ERROR"] == [
+        "MCP over stdio needs stdin and stdout; one of them is closed"
+    ]
+    assert not (tmp_path / "lk.db").exists()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_while_the_store_is_being_opened_is_not_kept_waiting(
     tmp_path: Path, signum: int

@@ -222,6 +222,9 @@ def mcp_command(store: str | None) -> None:
     settings = _settings(store=store)
     configure_logging(settings.log_level)
     quiet_sdk_logs()
+    if sys.stdin is None or sys.stdout is None:  # started with fd 0 or 1 closed
+        log.error("MCP over stdio needs stdin and stdout; one of them is closed")
+        sys.exit(1)
     service = _service(settings)
     log.info("leasekeeper MCP on stdio (store scheme %s)", settings.store.partition(":")[0])
     try:
