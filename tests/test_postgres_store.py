@@ -1105,7 +1105,7 @@ class Relay:
         self._refusing = False
         self._links: set[Link] = set()
         self._server: asyncio.Server | None = None
-        self._trap: tuple[bytes, bool] | None = None
+        self._trap: tuple[bytes, bool, bool] | None = None
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -1152,6 +1152,8 @@ class Relay:
                         writer.write(data)
                         await writer.drain()
                         await asyncio.sleep(0.2)  # the server acts on it; nobody hears back
+                    if trap[2]:
+                        continue  # held open: nothing ends, nothing comes back
                     return
                 writer.write(data)
                 await writer.drain()
@@ -1170,12 +1172,13 @@ class Relay:
         """Stop passing bytes either way, as a broken network would."""
         self._flowing.clear()
 
-    def trap(self, marker: bytes, *, deliver: bool) -> None:
-        """Drop the connection that next sends ``marker``, once it reached the server or not.
+    def trap(self, marker: bytes, *, deliver: bool, hold: bool = False) -> None:
+        """Drop the connection that next sends ``marker``, once it reached the server or not;
+        with ``hold``, keep it open instead, passing nothing more (a server that stopped).
 
         Either way the server's answer never comes back.
         """
-        self._trap = (marker, deliver)
+        self._trap = (marker, deliver, hold)
 
     @property
     def trapped(self) -> bool:
@@ -1239,6 +1242,37 @@ def test_a_dropped_database_answers_unavailable_and_recovers(
             await relay.stop()
 
     asyncio.run(main())
+
+
+def test_a_server_that_stops_answering_the_schema_lookup_ends_the_open(
+    url: str, target: tuple[str, int]
+) -> None:
+    """Opening without ``schema=`` first looks the schema up: a server that takes the
+    connection and then never answers (stopped, a hung host) ends the open with
+    ServiceUnavailable, as it does at every other step, instead of waiting for ever."""
+    from leasekeeper.store._postgres import PostgresStore
+
+    schema = new_schema_name()
+    with admin(url) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+
+    async def main() -> None:
+        relay = Relay(*target)
+        port = await relay.start()
+        path = url_with(url, port=port, options=f"-csearch_path={schema}")
+        store = PostgresStore(path, application_name=schema, timeout_seconds=1)
+        relay.trap(b"current_schemas", deliver=False, hold=True)
+        try:
+            with pytest.raises(ServiceUnavailable, match="timed out"):
+                await asyncio.wait_for(store.open(), 60)
+            assert relay.trapped
+        finally:
+            await relay.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        drop_schema(url, schema)
 
 
 def test_a_stalled_network_answers_unavailable_within_the_timeout(

@@ -364,7 +364,7 @@ class PostgresStore:
             try:
                 pool = await self._new_pool(self._given_conninfo)
                 if self.schema is None:  # look the schema up, then pin it (_pinned)
-                    async with pool.connection() as conn:
+                    async with asyncio.timeout(self._timeout), pool.connection() as conn:
                         self._conninfo = await self._pinned(conn, self._given_conninfo)
                     await pool.close()
                     pool = None
