@@ -492,7 +492,7 @@ def test_sigquit_is_passed_on_and_usr1_does_not_cancel_recording(cli: Cli, tmp_p
     assert result.exit_code == 128 + signal.SIGQUIT, result.output
     report = json.loads(result.stderr.splitlines()[-1])  # said, not silent
     assert report["status"] == "interrupted" and report["exit_code"] == 128 + signal.SIGQUIT
-    assert "SIGQUIT: its status is not recorded" in report["error"]
+    assert "run was sent SIGQUIT: the command's status is not recorded" in report["error"]
     assert cli("acquire", "--key", "q").exit_code == 0  # not recorded
 
     ready.unlink()
@@ -535,6 +535,69 @@ def test_a_signal_while_the_status_is_stored_is_said_and_the_lease_let_go(
     assert "SIGTERM while the status was being stored" in report["error"]
     assert seen == []
     assert cli("acquire", "--key", "storing").exit_code == 0  # released, and not stored
+
+
+def test_two_signals_at_once_while_the_status_is_stored(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM and SIGHUP together (systemd with SendSIGHUP): the first stops the storing,
+    the second, handled while run puts its handlers back, is only noted, so that every
+    handler is put back, the release is not cut short, and run exits 128 + the first."""
+    real_complete = LeaseClient.complete
+    both = {signal.SIGTERM, signal.SIGHUP}
+
+    def complete_during_two_signals(self: Any, *args: Any, **kwargs: Any) -> Any:
+        signal.pthread_sigmask(signal.SIG_BLOCK, both)
+        for signum in both:
+            os.kill(os.getpid(), signum)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, both)  # both handled from here
+        return real_complete(self, *args, **kwargs)
+
+    seen: list[int] = []
+
+    def note(signum: int, frame: Any) -> None:
+        seen.append(signum)
+
+    before = {signum: signal.signal(signum, note) for signum in both}
+    monkeypatch.setattr(LeaseClient, "complete", complete_during_two_signals)
+    try:
+        result = cli("run", "--key", "two", "--ttl", "600", "--complete", "--", "true")
+        after = {signum: signal.getsignal(signum) for signum in both}
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+    monkeypatch.undo()
+    assert after == dict.fromkeys(both, note)
+    assert seen == []
+    assert result.exit_code in {128 + signum for signum in both}, result.output
+    report = json.loads(result.stderr.splitlines()[-1])
+    assert report["status"] == "interrupted"
+    assert cli("acquire", "--key", "two").exit_code == 0  # released, and not stored
+
+
+def test_a_signal_while_the_lease_is_released_does_not_cut_the_release_short(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From the lease acquired to the lease let go, an interruption no step handles is
+    noted, not acted on: a SIGTERM as run releases the lease lets the release finish
+    (the default action would end run with the key held to its TTL)."""
+    real_release = LeaseClient.release
+
+    def release_during_a_signal(self: Any, *args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_release(self, *args, **kwargs)
+
+    seen: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    monkeypatch.setattr(LeaseClient, "release", release_during_a_signal)
+    try:
+        result = cli("run", "--key", "releasing", "--ttl", "600", "--", "sh", "-c", "exit 4")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    monkeypatch.undo()
+    assert result.exit_code == 4, result.output
+    assert seen == []
+    assert cli("acquire", "--key", "releasing").exit_code == 0  # released
 
 
 def test_a_signal_run_was_told_to_ignore_stays_ignored(cli: Cli, tmp_path: Path) -> None:

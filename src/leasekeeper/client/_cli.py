@@ -673,27 +673,42 @@ class _Interrupted(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def _interruptible() -> Iterator[None]:
-    """While storing the status: an interruption stops the storing (which may be retried
-    for as long as the lease is held) with ``_Interrupted``, so that ``run`` can still
-    say so and let the lease go, where the default action would end it silently."""
+def _handling(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
+    """``handler`` for SIGINT, SIGTERM, SIGHUP and SIGQUIT (but those ``run`` was started
+    ignoring), then the handlers before it again."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        raise _Interrupted(signum)
-
     previous = {
-        signum: signal.signal(signum, interrupt)
+        signum: signal.signal(signum, handler)
         for signum in _INTERRUPTIONS
         if signal.getsignal(signum) is not signal.SIG_IGN
     }
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        for signum, before in previous.items():
+            signal.signal(signum, before)
+
+
+def _noting(noted: list[int]) -> contextlib.AbstractContextManager[None]:
+    """From the lease acquired to the lease let go, an interruption that no step of
+    ``run`` handles itself is kept in ``noted``: the default action would end ``run``
+    at once, with the key held to its TTL and nothing said."""
+    return _handling(lambda signum, frame: noted.append(signum))
+
+
+def _interruptible(noted: list[int]) -> contextlib.AbstractContextManager[None]:
+    """While storing the status: an interruption stops the storing (which may be retried
+    for as long as the lease is held) with ``_Interrupted``, once; any later one is only
+    kept in ``noted`` (it may come while the handlers are being put back)."""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        noted.append(signum)
+        if len(noted) == 1:
+            raise _Interrupted(signum)
+
+    return _handling(interrupt)
 
 
 def _terminate(process: subprocess.Popen[bytes], terminated: list[float]) -> None:
@@ -803,10 +818,14 @@ def run_command(command: tuple[str, ...], **options: Any) -> None:
             held.__enter__()
         except LeaseError as error:
             _fail(error, err=True)
-        try:
-            code = _run_held(client, held, command, options, target.environ, wake, progress)
-        finally:
-            held.__exit__(None, None, None)
+        noted: list[int] = []
+        with _noting(noted):
+            try:
+                code = _run_held(
+                    client, held, command, options, target.environ, wake, progress, noted
+                )
+            finally:
+                held.__exit__(None, None, None)
     sys.exit(code)
 
 
@@ -818,8 +837,10 @@ def _run_held(
     environ: Mapping[str, str],
     wake: threading.Event,
     progress: _Progress,
+    noted: list[int],
 ) -> int:
-    """Run the command under ``held``; the exit code for leasekeeper."""
+    """Run the command under ``held``; the exit code for leasekeeper. ``noted`` holds
+    the interruptions that came while no step handled them itself (``_noting``)."""
     if held.completion is not None:
         stored = _stored_status(held.result)
         progress.say(f"already completed (exit code {stored}); not running the command")
@@ -841,6 +862,7 @@ def _run_held(
 
     with _forward_signals(started, received, unsent, still_held, terminated):
         progress.say(f"lease acquired (fencing token {fence}); running the command")
+        received[:0] = noted  # those that came between the acquire and the handlers
         if received:  # interrupted before the command started: it is not started
             return 128 + received[0]
         try:
@@ -877,12 +899,13 @@ def _run_held(
         lost = held.lost_error.error if held.lost_error else "the lease was lost"
         _report({"ok": False, "status": "lost", "error": lost, "exit_code": status})
         return EXIT_LOST
-    if options["record"] and received:
-        why = f"the command was sent {signal.Signals(received[0]).name}: its status is not recorded"
+    if options["record"] and (received or noted):  # noted: since the command ended
+        name = signal.Signals((received or noted)[0]).name
+        why = f"run was sent {name}: the command's status is not recorded"
         _report({"ok": False, "status": "interrupted", "error": why, "exit_code": status})
     elif options["record"]:
         try:
-            with _interruptible():
+            with _interruptible(noted):
                 client._complete_once(held, {"exit_code": status})  # retried while held
         except _Interrupted as stop:  # the lease is let go on the way out
             name = signal.Signals(stop.signum).name
@@ -905,8 +928,8 @@ def _exit_130_on_interrupt(callback: Callable[..., Any]) -> Callable[..., Any]:
     def interruptible(*args: Any, **kwargs: Any) -> Any:
         try:
             return callback(*args, **kwargs)
-        except KeyboardInterrupt:
-            sys.exit(128 + signal.SIGINT)
+        except KeyboardInterrupt as stop:  # _Interrupted carries its own signal
+            sys.exit(128 + getattr(stop, "signum", signal.SIGINT))
         except _OutputLost as lost:  # the caller did not get the answer it asked for
             _say_output_lost(lost)
             sys.exit(1)
