@@ -428,7 +428,7 @@ class PostgresStore:
             raise ServiceUnavailable(
                 f'Cannot open the PostgreSQL store: the first schema of the search_path, "'
                 f'{current}", holds no leasekeeper store, but "{holding[0]}", later on it, '
-                "does; name the schema to use in the URL (options=-csearch_path%3DNAME)"
+                "does; name the schema to use in the URL's options (-c search_path=NAME)"
             )
         params = conninfo_to_dict(conninfo)
         pinned = _option_value('"' + current.replace('"', '""') + '"')
@@ -880,6 +880,7 @@ class PostgresStore:
 
     async def _migrate(self, pool: AsyncConnectionPool[Connection]) -> None:
         """Create or upgrade the schema, one instance at a time."""
+        new_in = None
         async with pool.connection() as conn, conn.transaction():
             await conn.execute(_MIGRATION_LOCK, (self.schema,))
             if self.schema is not None:
@@ -901,8 +902,7 @@ class PostgresStore:
                 "ON CONFLICT (name) DO NOTHING RETURNING current_schema()",
                 (SCHEMA_VERSION,),
             )
-            if (new_in := await created.fetchone()) is not None:
-                log.info("created a new, empty store in the schema %s", new_in[0])
+            new_in = await created.fetchone()
             found = await conn.execute(
                 "SELECT value FROM leasekeeper_meta WHERE name = 'schema_version'"
             )
@@ -920,6 +920,8 @@ class PostgresStore:
             if row is not None and row[0] != 1:
                 log.warning("the fencing sequence had CACHE %s; setting CACHE 1", row[0])
                 await conn.execute("ALTER SEQUENCE leasekeeper_fence CACHE 1")
+        if new_in is not None:  # committed: said only of a store that now exists
+            log.info("created a new, empty store in the schema %s", new_in[0])
 
     @staticmethod
     async def _restart_fence_above_the_table(conn: Connection) -> None:
