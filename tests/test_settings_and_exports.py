@@ -164,3 +164,16 @@ def test_modules_import_from_each_other_only_what_they_export() -> None:
                 if not submodule:
                     reached.append(f"{path.relative_to(root)}: {node.module}.{alias.name}")
     assert reached == []
+
+
+@pytest.mark.parametrize("port", ["-1", "0", "65536"])
+def test_a_bad_port_flag_is_named_as_the_flag(port: str) -> None:
+    """``serve --port -1`` is the flag's usage error, not the environment variable's."""
+    from click.testing import CliRunner
+
+    from leasekeeper.cli import main
+
+    done = CliRunner().invoke(main, ["serve", "--port", port], env={"LEASEKEEPER_PORT": ""})
+    assert done.exit_code == 2
+    assert "Invalid value for '--port'" in done.output
+    assert "LEASEKEEPER_PORT" not in done.output

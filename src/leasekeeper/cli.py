@@ -73,7 +73,12 @@ for _command in CLIENT_COMMANDS:
 
 @main.command()
 @click.option("--host", default=None, help="Listen address [LEASEKEEPER_HOST, 127.0.0.1].")
-@click.option("--port", type=int, default=None, help="Listen port [LEASEKEEPER_PORT, 8787].")
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Listen port [LEASEKEEPER_PORT, 8787].",
+)
 @click.option(
     "--store",
     default=None,
