@@ -309,7 +309,11 @@ def _once(
 
 
 @main.command()
-@click.option("--store", default=None, help="Store URL [LEASEKEEPER_STORE].")
+@click.option(
+    "--store",
+    default=None,
+    help="Store URL [LEASEKEEPER_STORE, sqlite:///./leasekeeper.db].",
+)
 def cleanup(store: str | None) -> None:
     """Delete every record whose lifecycle is over, once, and print how many.
 
@@ -320,7 +324,11 @@ def cleanup(store: str | None) -> None:
 
 
 @main.command()
-@click.option("--store", default=None, help="Store URL [LEASEKEEPER_STORE].")
+@click.option(
+    "--store",
+    default=None,
+    help="Store URL [LEASEKEEPER_STORE, sqlite:///./leasekeeper.db].",
+)
 @click.option(
     "--raise-to",
     type=click.IntRange(0, MAX_RAISED_FENCE),
