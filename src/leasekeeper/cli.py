@@ -60,6 +60,14 @@ def _service(settings: Settings) -> LeaseService:
     )
 
 
+#: ``--store`` of the commands that open a store themselves.
+_STORE_OPTION = click.option(
+    "--store",
+    default=None,
+    help="Store URL [LEASEKEEPER_STORE, sqlite:///./leasekeeper.db].",
+)
+
+
 @click.group()
 @click.version_option(package_name="leasekeeper")
 def main() -> None:
@@ -79,11 +87,7 @@ for _command in CLIENT_COMMANDS:
     default=None,
     help="Listen port [LEASEKEEPER_PORT, 8787].",
 )
-@click.option(
-    "--store",
-    default=None,
-    help="Store URL [LEASEKEEPER_STORE, sqlite:///./leasekeeper.db].",
-)
+@_STORE_OPTION
 def serve(host: str | None, port: int | None, store: str | None) -> None:
     """Run the HTTP API (and MCP at /mcp)."""
     import uvicorn
@@ -211,11 +215,7 @@ def _json_connection_limit_responses() -> None:
 
 
 @main.command("mcp")
-@click.option(
-    "--store",
-    default=None,
-    help="Store URL [LEASEKEEPER_STORE, sqlite:///./leasekeeper.db].",
-)
+@_STORE_OPTION
 def mcp_command(store: str | None) -> None:
     """Serve the MCP tools over stdio, for desktop agents.
 
@@ -309,11 +309,7 @@ def _once(
 
 
 @main.command()
-@click.option(
-    "--store",
-    default=None,
-    help="Store URL [LEASEKEEPER_STORE, sqlite:///./leasekeeper.db].",
-)
+@_STORE_OPTION
 def cleanup(store: str | None) -> None:
     """Delete every record whose lifecycle is over, once, and print how many.
 
@@ -324,11 +320,7 @@ def cleanup(store: str | None) -> None:
 
 
 @main.command()
-@click.option(
-    "--store",
-    default=None,
-    help="Store URL [LEASEKEEPER_STORE, sqlite:///./leasekeeper.db].",
-)
+@_STORE_OPTION
 @click.option(
     "--raise-to",
     type=click.IntRange(0, MAX_RAISED_FENCE),
