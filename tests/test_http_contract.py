@@ -753,6 +753,52 @@ class TestTransport:
         assert "owner_token" in schemas["CompleteBody"]["required"]
         assert api.client.get("/docs").headers["content-type"].startswith("text/html")
 
+    def test_openapi_serves_client_generators(self, api: Api, ns: str) -> None:
+        """What generated clients need: a stable operationId per operation; request bodies
+        as one flat object with every field (an anyOf of two partial objects loses them);
+        int64 for the fencing token and timestamps (a bare integer is int32 in Java, Go
+        and C#); ttl_seconds' real default; 500 and every other refusal in the Error shape;
+        a 409 told apart by its status, each with the fields it always has."""
+        import jsonschema
+
+        doc = api.client.get("/openapi.json").json()
+        operations = [op for path in doc["paths"].values() for op in path.values()]
+        ids = [op["operationId"] for op in operations]
+        assert len(ids) == len(set(ids)) == 8
+        schemas = doc["components"]["schemas"]
+        for name, fields in {
+            "AcquireBody": {"namespace", "key", "ttl_seconds", "fingerprint"},
+            "RenewBody": {"namespace", "key", "owner_token", "ttl_seconds"},
+            "ReleaseBody": {"namespace", "key", "owner_token"},
+            "CompleteBody": {"namespace", "key", "owner_token", "result"},
+        }.items():
+            assert set(schemas[name]["properties"]) == fields, name
+            assert not {"anyOf", "oneOf", "allOf"} & set(schemas[name]), name
+        assert schemas["AcquireBody"]["properties"]["ttl_seconds"]["default"] == 60
+        for name in ("Granted", "Renewed", "Released", "Completed", "Held"):
+            assert schemas[name]["properties"]["fencing_token"]["format"] == "int64", name
+        assert schemas["Granted"]["properties"]["lease_expires_at_timestamp"]["format"] == "int64"
+        for path, item in doc["paths"].items():
+            if path.startswith("/services/v1/"):
+                assert {"500", "default"} <= set(item["post"]["responses"]), path
+
+        def valid(path: str, status: str, body: dict[str, Any]) -> bool:
+            content = doc["paths"][path]["post"]["responses"][status]["content"]
+            schema = {**content["application/json"]["schema"], "components": doc["components"]}
+            return jsonschema.Draft202012Validator(schema).is_valid(body)
+
+        lease, renew = "/services/v1/lease", "/services/v1/lease/renew"
+        granted(api.acquire(namespace=ns, key=KEY, fingerprint="a"))
+        held = error(api.acquire(namespace=ns, key=KEY, fingerprint="a"), 409, "held")
+        conflict = error(api.acquire(namespace=ns, key=KEY, fingerprint="b"), 409, "conflict")
+        lost = error(api.renew(namespace=ns, key=KEY, owner_token="own_" + "A" * 43), 409, "lost")
+        assert valid(lease, "409", held) and valid(lease, "409", conflict)
+        assert valid(renew, "409", lost)
+        assert not valid(lease, "409", lost)  # a lost is not an acquire's answer
+        for body, field in ((held, "retry_after_seconds"), (conflict, "absolute_expires_at")):
+            incomplete = {k: v for k, v in body.items() if k != field}
+            assert not valid(lease, "409", incomplete), field
+
     def test_metrics_are_prometheus_text_without_secrets(self, api: Api, ns: str) -> None:
         """/metrics counts requests by route and status and names no key or namespace."""
         granted(api.acquire(namespace=ns, key=KEY))

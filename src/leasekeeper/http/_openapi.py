@@ -13,8 +13,21 @@ _REF = "#/components/schemas/{model}"
 
 _INT = {"type": "integer"}
 _STR = {"type": "string"}
-_TS = {"type": "integer", "description": "Unix seconds, rounded down"}
-_ISO = {"type": "string", "description": "ISO 8601 UTC, YYYY-MM-DDTHH:MM:SSZ"}
+# int64 where a value outgrows 32 bits: generators map a bare integer to int32 in Java,
+# Go or C#, and the store-wide fencing counter passes 2^31 in weeks at full load.
+_FENCE = {"type": "integer", "format": "int64", "minimum": 1, "maximum": 2**63 - 1}
+_TS = {"type": "integer", "format": "int64", "description": "Unix seconds, rounded down"}
+_ISO = {
+    "type": "string",
+    "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z$",
+    "description": "ISO 8601 UTC, YYYY-MM-DDTHH:MM:SSZ",
+}
+_OK = {"type": "boolean", "const": True}
+_NOT_OK = {"type": "boolean", "const": False}
+
+
+def _word(word: str) -> dict[str, Any]:
+    return {"type": "string", "const": word}
 
 
 def _obj(required: dict[str, Any], description: str) -> dict[str, Any]:
@@ -29,19 +42,19 @@ def _obj(required: dict[str, Any], description: str) -> dict[str, Any]:
 _RESPONSES: dict[str, dict[str, Any]] = {
     "Namespace": _obj(
         {
-            "ok": {"const": True},
+            "ok": _OK,
             "namespace": {**_STR, "pattern": "^ns_[A-Za-z0-9_-]{43}$"},
-            "entropy_bits": {"const": 256},
+            "entropy_bits": {"type": "integer", "const": 256},
         },
         "A new namespace. Keep it secret; it cannot be listed or recovered.",
     ),
     "Granted": _obj(
         {
-            "ok": {"const": True},
-            "status": {"const": "held"},
+            "ok": _OK,
+            "status": _word("held"),
             "owner_token": {**_STR, "pattern": "^own_[A-Za-z0-9_-]{43}$"},
             "ttl_seconds": {**_INT, "minimum": 0},
-            "fencing_token": {**_INT, "minimum": 1},
+            "fencing_token": _FENCE,
             "lease_expires_at_timestamp": _TS,
             "lease_expires_at": _ISO,
             "absolute_expires_at_timestamp": _TS,
@@ -51,10 +64,10 @@ _RESPONSES: dict[str, dict[str, Any]] = {
     ),
     "Renewed": _obj(
         {
-            "ok": {"const": True},
-            "status": {"const": "held"},
+            "ok": _OK,
+            "status": _word("held"),
             "ttl_seconds": {**_INT, "minimum": 0},
-            "fencing_token": {**_INT, "minimum": 1},
+            "fencing_token": _FENCE,
             "lease_expires_at_timestamp": _TS,
             "lease_expires_at": _ISO,
             "absolute_expires_at_timestamp": _TS,
@@ -64,19 +77,19 @@ _RESPONSES: dict[str, dict[str, Any]] = {
     ),
     "Released": _obj(
         {
-            "ok": {"const": True},
-            "status": {"const": "released"},
-            "fencing_token": {**_INT, "minimum": 1},
+            "ok": _OK,
+            "status": _word("released"),
+            "fencing_token": _FENCE,
         },
         "The lease ended; the key can be acquired at once.",
     ),
     "Completed": _obj(
         {
-            "ok": {"const": True},
-            "status": {"const": "completed"},
+            "ok": _OK,
+            "status": _word("completed"),
             "completed_at": _ISO,
             "result": {"description": "The stored JSON value (secret-named fields redacted)"},
-            "fencing_token": {**_INT, "minimum": 1},
+            "fencing_token": _FENCE,
             "absolute_expires_at": _ISO,
         },
         "The work is done; here is its stored result.",
@@ -85,8 +98,9 @@ _RESPONSES: dict[str, dict[str, Any]] = {
         "type": "object",
         "required": ["ok", "status", "error"],
         "properties": {
-            "ok": {"const": False},
+            "ok": _NOT_OK,
             "status": {
+                "type": "string",
                 "enum": [
                     "invalid",
                     "not_found",
@@ -99,16 +113,42 @@ _RESPONSES: dict[str, dict[str, Any]] = {
                     "rate_limited",
                     "unavailable",
                     "internal",
-                ]
+                ],
             },
             "error": _STR,
             "retry_after_seconds": {**_INT, "minimum": 1},
-            "fencing_token": {**_INT, "minimum": 1},
+            "fencing_token": _FENCE,
             "lease_expires_at": _ISO,
             "absolute_expires_at": _ISO,
         },
     },
-    "Health": _obj({"ok": {"const": True}, "status": _STR}, "The process or store is fine."),
+    "Held": _obj(
+        {
+            "ok": _NOT_OK,
+            "status": _word("held"),
+            "error": _STR,
+            "retry_after_seconds": {**_INT, "minimum": 1},
+            "fencing_token": _FENCE,
+            "lease_expires_at": _ISO,
+            "absolute_expires_at": _ISO,
+        },
+        "Another owner holds the lease: retry after retry_after_seconds (the Retry-After header).",
+    ),
+    "Conflict": _obj(
+        {
+            "ok": _NOT_OK,
+            "status": _word("conflict"),
+            "error": _STR,
+            "absolute_expires_at": _ISO,
+        },
+        "The key is bound to another fingerprint until absolute_expires_at.",
+    ),
+    "Lost": _obj(
+        {"ok": _NOT_OK, "status": _word("lost"), "error": _STR},
+        "You are not (or no longer) the live owner.",
+    ),
+    "Alive": _obj({"ok": _OK, "status": _word("alive")}, "The process is running."),
+    "Ready": _obj({"ok": _OK, "status": _word("ready")}, "The store can be reached and written."),
 }
 
 
@@ -133,8 +173,23 @@ _COMMON_ERRORS = {
     "408": _json("Error", "timeout: the request body was not sent in time"),
     "413": _json("Error", "too_large: body over 64 KiB, or result over 32 KiB"),
     "429": _json("Error", "rate_limited", retry_after=True),
+    "500": _json("Error", "internal: an unforeseen failure (no details are given)"),
     "503": _json("Error", "unavailable: the store cannot be reached", retry_after=True),
+    "default": _json("Error", "any other refusal, in the same shape"),
 }
+
+
+def _one_of(description: str, *names: str, retry_after: bool = False) -> dict[str, Any]:
+    """A response that is one of ``names``' bodies, told apart by their ``status``."""
+    response = _json(names[0], description, retry_after=retry_after)
+    response["content"]["application/json"]["schema"] = {
+        "oneOf": [_ref(name) for name in names],
+        "discriminator": {
+            "propertyName": "status",
+            "mapping": {name.lower(): _REF.format(model=name) for name in names},
+        },
+    }
+    return response
 
 
 _NS = "ns_XbO8a6V9e5dMWYqghfPV3ykHTNpR3oZ0fQJm4l7K2nE"
@@ -150,10 +205,12 @@ _EXAMPLES: dict[str, dict[str, Any]] = {
 
 
 def _operation(
-    summary: str, body: str, responses: dict[str, Any], description: str
+    operation_id: str, summary: str, body: str, responses: dict[str, Any], description: str
 ) -> dict[str, Any]:
     return {
         "post": {
+            "operationId": operation_id,
+            "tags": ["lease"],
             "summary": summary,
             "description": description,
             "requestBody": {
@@ -177,17 +234,19 @@ _NAMESPACED_KEY = {
     "not": {"pattern": "[\\x00-\\x1f\\x7f-\\x9f]"},
 }
 _BARE_KEY = {"type": "string", "minLength": 32, "maxLength": 200, "not": {"pattern": "[^!-~]"}}
-_KEY_RULE = [
-    {
+# As if/then/else on one flat object, not an anyOf of two: client generators turn an
+# anyOf into two partial models and lose the other fields.
+_KEY_RULE = {
+    "if": {"required": ["namespace"], "properties": {"namespace": {"type": "string"}}},
+    "then": {
         "description": "With a namespace: a readable key",
-        "required": ["namespace"],
-        "properties": {"namespace": {"type": "string"}, "key": _NAMESPACED_KEY},
+        "properties": {"key": _NAMESPACED_KEY},
     },
-    {
+    "else": {
         "description": "Without a namespace: a random key (also: at least 100 bits of entropy)",
-        "properties": {"namespace": {"type": "null"}, "key": _BARE_KEY},
+        "properties": {"key": _BARE_KEY},
     },
-]
+}
 
 
 def _request_schema(model: Any) -> dict[str, Any]:
@@ -204,14 +263,16 @@ def _request_schema(model: Any) -> dict[str, Any]:
             {"type": "string", "minLength": 46, "maxLength": 46, "pattern": NAMESPACE_PATTERN},
             {"type": "null"},
         ]
-        schema["anyOf"] = _KEY_RULE
+        properties["key"].update(minLength=1, maxLength=200)
+        schema.update(_KEY_RULE)
     if "owner_token" in properties:
         properties["owner_token"].update(minLength=47, maxLength=47, pattern=OWNER_TOKEN_PATTERN)
     if "ttl_seconds" in properties:
         properties["ttl_seconds"]["description"] = (
-            "Lease length in seconds, default 60: a JSON integer written without a fraction "
-            "or exponent (60, not 60.0)"
+            "Lease length in seconds, default 60 (null too means 60): a JSON integer written "
+            "without a fraction or exponent (60, not 60.0)"
         )
+        properties["ttl_seconds"]["default"] = 60
     return schema
 
 
@@ -222,9 +283,12 @@ def openapi_document(base: str) -> dict[str, Any]:
         schema = _request_schema(model)
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
-    held = _json("Error", "held (another owner; Retry-After), or conflict", retry_after=True)
-    lost = _json("Error", "lost: you are not the live owner")
+    held = _one_of(
+        "held (another owner; Retry-After), or conflict", "Held", "Conflict", retry_after=True
+    )
+    lost = _json("Lost", "lost: you are not the live owner")
     acquire = _operation(
+        "acquireLease",
         "Acquire a lease",
         "AcquireBody",
         {
@@ -235,11 +299,22 @@ def openapi_document(base: str) -> dict[str, Any]:
         "Decided in order: new lifecycle (201), fingerprint conflict (409 conflict), "
         "completed (200), live lease (409 held), otherwise a new owner (201).",
     )
-    health = {
+    alias = {"post": {**acquire["post"], "operationId": "acquireLeaseAlias"}}
+    alive = {
         "get": {
-            "summary": "Health",
+            "operationId": "getHealth",
+            "tags": ["health"],
+            "summary": "Is the process running",
+            "responses": {"200": _json("Alive", "alive")},
+        }
+    }
+    ready = {
+        "get": {
+            "operationId": "getReady",
+            "tags": ["health"],
+            "summary": "Can the store be reached and written",
             "responses": {
-                "200": _json("Health", "OK"),
+                "200": _json("Ready", "ready"),
                 "503": _json("Error", "unavailable", retry_after=True),
             },
         }
@@ -253,33 +328,37 @@ def openapi_document(base: str) -> dict[str, Any]:
         },
         "paths": {
             f"{base}/lease/namespace": _operation(
+                "createNamespace",
                 "Mint a namespace",
                 "NamespaceBody",
                 {"201": _json("Namespace", "A new namespace")},
                 "Returns a 256-bit bearer secret that lets you use readable keys.",
             ),
             f"{base}/lease": acquire,
-            f"{base}/lease/acquire": acquire,
+            f"{base}/lease/acquire": alias,
             f"{base}/lease/renew": _operation(
+                "renewLease",
                 "Renew a lease",
                 "RenewBody",
                 {"200": _json("Renewed", "New expiry"), "409": lost},
                 "Moves the lease expiry to min(now + ttl, absolute_expires_at).",
             ),
             f"{base}/lease/release": _operation(
+                "releaseLease",
                 "Release a lease",
                 "ReleaseBody",
                 {"200": _json("Released", "Released"), "409": lost},
                 "Ends ownership now; the lifecycle and fingerprint binding stay.",
             ),
             f"{base}/lease/complete": _operation(
+                "completeLease",
                 "Complete a lease",
                 "CompleteBody",
                 {"200": _json("Completed", "Stored"), "409": lost},
                 "Stores the result for later callers and ends ownership for good.",
             ),
-            "/healthz": health,
-            "/readyz": health,
+            "/healthz": alive,
+            "/readyz": ready,
         },
         "components": {"schemas": schemas},
     }
