@@ -68,6 +68,17 @@ def admin(url: str) -> Any:
     return psycopg.connect(url, autocommit=True, connect_timeout=5)
 
 
+def relations_in(url: str, schema: str) -> int:
+    """How many tables, sequences and indexes ``schema`` holds."""
+    with admin(url) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = %s",
+            (schema,),
+        ).fetchone()
+    return int(row[0])
+
+
 def new_id() -> bytes:
     return secrets.token_bytes(32)
 
@@ -286,13 +297,7 @@ def test_a_schema_created_before_the_stores_on_the_search_path_does_not_move_it(
         message = str(refused.value)
         assert f'"{first}"' in message and f'"{store_schema}"' in message, message
         assert "search_path" in message and url not in message
-        with admin(url) as conn:
-            created = conn.execute(
-                "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-                "WHERE n.nspname = %s",
-                (first,),
-            ).fetchone()
-        assert created == (0,)
+        assert relations_in(url, first) == 0
 
     try:
         asyncio.run(main())
@@ -360,13 +365,7 @@ def test_fence_and_cleanup_create_no_store_in_an_empty_schema(
                     done.output
                 )
                 assert url not in done.output
-        with admin(url) as conn:
-            tables = conn.execute(
-                "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-                "WHERE n.nspname = %s",
-                (empty,),
-            ).fetchone()
-        assert tables == (0,)
+        assert relations_in(url, empty) == 0
     finally:
         with admin(url) as conn:
             conn.execute(f'DROP SCHEMA "{empty}" CASCADE')
