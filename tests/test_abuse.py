@@ -470,6 +470,32 @@ def test_a_small_chunked_body_is_a_normal_request(server: Server) -> None:
 
 
 @pytest.mark.slow
+def test_a_chunked_body_of_exactly_64_kib_is_read_and_one_byte_more_is_413(
+    server: Server,
+) -> None:
+    """With no Content-Length to refuse early, the limit is counted as the chunks come:
+    65,536 bytes are a request (JSON whitespace pads it), 65,537 are too large."""
+    ns = httpx.post(f"{server.api}/lease/namespace").json()["namespace"]
+    for size, key, expected in (
+        (65_536, "edge", (201, "held")),
+        (65_537, "over", (413, "too_large")),
+    ):
+        payload = b'{"namespace": "%s", "key": "%s"}' % (ns.encode(), key.encode())
+        payload += b" " * (size - len(payload))
+        chunks = b"".join(
+            b"%x\r\n%s\r\n" % (len(part), part)
+            for part in (payload[i : i + 1000] for i in range(0, size, 1000))
+        )
+        sock = connect(server)
+        sock.sendall(
+            b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"Connection: close\r\n\r\n" + chunks + b"0\r\n\r\n"
+        )
+        status, _, body, _ = answer(sock)
+        assert (status, body["status"]) == expected, size
+
+
+@pytest.mark.slow
 def test_a_slowloris_flood_cannot_lock_out_a_normal_client(server: Server) -> None:
     """Idle connections that fill every slot are closed after the timeout; then a normal
     client is served. (A client that keeps reopening connections needs a proxy's

@@ -322,6 +322,12 @@ class TestResults:
         with pytest.raises(PayloadTooLarge):
             validation.encode_result(multibyte)
 
+    def test_the_size_limit_counts_secret_fields_before_they_are_redacted(self) -> None:
+        """The limit is on the submitted result: a 40 KB password is too large, though
+        "[redacted]" in its place would fit."""
+        with pytest.raises(PayloadTooLarge):
+            validation.encode_result({"password": "x" * 40_000})
+
     def test_results_keep_order_and_big_integers(self) -> None:
         """Key order, big integers and NUL characters survive encoding."""
         text = validation.encode_result({"b": 2**70, "a": "\u0000", "c": [1.5, None]})
@@ -531,6 +537,51 @@ class TestSecrets:
         assert secrets.fingerprint_digest(None, "k", bare, "fp") != secrets.fingerprint_digest(
             None, "k2", bare, "fp"
         )
+
+    def test_stored_digests_are_made_as_they_always_were(self) -> None:
+        """The digests are the stored ids: made any other way after an upgrade, every key
+        would look never seen (completed work runs again, every owner is told lost). Each
+        is written out here from its primitives, and one is pinned to its bytes."""
+        import hashlib
+        import hmac
+
+        def mac(key: bytes, message: bytes) -> bytes:
+            return hmac.digest(key, message, "sha256")
+
+        tag = b"leasekeeper/v1/"
+        ns, key, fp = bytes(range(32)), "invoice:2026-09-05", "fp-1"
+        kid = secrets.key_id(ns, key)
+        assert kid == mac(mac(ns, tag + b"namespace-key-id"), tag + b"key\x00" + key.encode())
+        assert kid.hex() == "2f00fc96ebcc1d028875b34e221b60ef3137ad0bfba60cdb33eddfbc6679408e"
+        fp_key = mac(ns, tag + b"namespace-fingerprint")
+        assert secrets.fingerprint_digest(ns, key, kid, fp) == mac(
+            fp_key, tag + b"fingerprint\x00" + kid + fp.encode()
+        )
+        bare = "0123456789abcdef0123456789abcdef-K"
+        bare_id = secrets.key_id(None, bare)
+        assert bare_id == hashlib.sha256(tag + b"bare-key\x00" + bare.encode()).digest()
+        assert secrets.fingerprint_digest(None, bare, bare_id, fp) == mac(
+            bare.encode(), tag + b"fingerprint\x00" + bare_id + fp.encode()
+        )
+        token = secrets.format_owner_token(b"\x07" * 32)
+        assert (
+            secrets.owner_digest(token)
+            == hashlib.sha256(tag + b"owner\x00" + token.encode()).digest()
+        )
+
+    def test_owner_digests_are_compared_in_constant_time(self) -> None:
+        """The spec names hmac.compare_digest: an == would let timing tell how much of a
+        guessed owner token's digest is right."""
+        from unittest import mock
+
+        token = secrets.format_owner_token(b"\x07" * 32)
+        digest = secrets.owner_digest(token)
+        with mock.patch.object(
+            secrets.hmac, "compare_digest", wraps=secrets.hmac.compare_digest
+        ) as spy:
+            assert secrets.digests_equal(digest, secrets.owner_digest(token))
+            assert not secrets.digests_equal(digest, secrets.owner_digest(token[:-1] + "A"))
+        assert spy.call_count == 2
 
     def test_owner_tokens(self) -> None:
         """Owner tokens are own_ + 43 base64url characters; digests compare equal only to self."""
