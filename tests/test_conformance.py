@@ -275,15 +275,19 @@ def test_a_new_lifecycle_starts_fresh_with_a_higher_fence(on_store: Any, clock: 
     """After absolute expiry the key is as if never seen: new binding, no result, higher fence."""
 
     async def body(store: Store) -> None:
-        key, owner = new_id(), new_id()
+        key, owner, fingerprint = new_id(), new_id(), new_id()
         first = await grant(store, key, owner, fingerprint=new_id())
         await store.apply(Complete(key, owner, '"done"'))
         clock.advance(LIFECYCLE / 1000)
-        fresh = await grant(store, key, new_id(), fingerprint=new_id())
+        fresh = await grant(store, key, new_id(), fingerprint=fingerprint)
         assert fresh.record.fencing_token > first.record.fencing_token
         assert fresh.record.absolute_expires_ms == clock.now_ms() + LIFECYCLE
         assert fresh.record.completed_ms is None
         assert fresh.record.result is None
+        # What was stored is that fresh record, not one with the old completion left in.
+        again = await store.apply(Acquire(key, fingerprint, TTL, new_id(), LIFECYCLE))
+        assert isinstance(again.outcome, Held), again.outcome
+        assert again.outcome.record == fresh.record
 
     on_store(body)
 
