@@ -278,7 +278,7 @@ def test_a_new_lifecycle_starts_fresh_with_a_higher_fence(on_store: Any, clock: 
         key, owner, fingerprint = new_id(), new_id(), new_id()
         first = await grant(store, key, owner, fingerprint=new_id())
         await store.apply(Complete(key, owner, '"done"'))
-        clock.advance(LIFECYCLE / 1000)
+        clock.advance(LIFECYCLE / 1000 + 7)  # later than the end: counted from now, not from it
         fresh = await grant(store, key, new_id(), fingerprint=fingerprint)
         assert fresh.record.fencing_token > first.record.fencing_token
         assert fresh.record.absolute_expires_ms == clock.now_ms() + LIFECYCLE
