@@ -547,10 +547,15 @@ def test_two_signals_at_once_while_the_status_is_stored(
     both = {signal.SIGTERM, signal.SIGHUP}
 
     def complete_during_two_signals(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # Sent to this (the main) thread while it blocks them, both wait for the unblock:
+        # sent to the process, either could go to another thread and be handled (raise)
+        # before the unblock, which would leave them blocked here and in every later child.
         signal.pthread_sigmask(signal.SIG_BLOCK, both)
-        for signum in both:
-            os.kill(os.getpid(), signum)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, both)  # both handled from here
+        try:
+            for signum in both:
+                signal.pthread_kill(threading.main_thread().ident or 0, signum)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, both)  # both handled from here
         return real_complete(self, *args, **kwargs)
 
     seen: list[int] = []
