@@ -200,6 +200,12 @@ _REFUSING = frozenset(
 )
 
 
+def _primary_code(exc: sqlite3.Error) -> int:
+    """SQLite's primary result code of ``exc`` (its extended code's low byte); 0 for the
+    sqlite3 module's own errors, which carry none."""
+    return (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
+
+
 def _write_failed() -> ServiceUnavailable:
     """What a request gets when SQLite refused its batch's transaction (logged apart)."""
     return ServiceUnavailable("The lease store could not complete the write")
@@ -359,7 +365,7 @@ class SqliteStore:
                     return False
                 version = conn.execute(_READ_VERSION).fetchone()
         except sqlite3.DatabaseError as exc:
-            if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_NOTADB:
+            if _primary_code(exc) == sqlite3.SQLITE_NOTADB:
                 return False  # not a database at all: no store of ours
             raise
         return version is not None
@@ -375,8 +381,7 @@ class SqliteStore:
             with self._read_only() as conn:  # never immutable: servers may be writing
                 found = conn.execute("PRAGMA integrity_check(1)").fetchone()
         except sqlite3.DatabaseError as exc:
-            code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
-            if code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
+            if _primary_code(exc) in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
                 return f"the SQLite store is damaged ({exc})"
             # Not the file's fault (a read-only directory, a lock held too long): a
             # sound store must not be sent back to a backup.
@@ -684,8 +689,7 @@ class SqliteStore:
         """Note a refusal for readiness when ``exc`` says the file cannot be written at
         all (no room, a failing device, a read-only or damaged file), not when it is one
         transaction's trouble (a lock held too long)."""
-        # Errors of the sqlite3 module itself carry no code.
-        if (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF in _REFUSING:
+        if _primary_code(exc) in _REFUSING:
             self._refusals.refused(str(exc))
 
     def _decide_in_transaction(
