@@ -650,17 +650,12 @@ def _forward_signals(
                 _terminate(started[0], terminated)
             _signal_group(started[0], signal.SIGCONT)
 
-    previous = {
-        signum: signal.signal(signum, forward)
-        for signum in (*_INTERRUPTIONS, *_PASSED_ON)
-        if signal.getsignal(signum) is not signal.SIG_IGN
-    }
-    previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, pause)
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    with _handling(forward, (*_INTERRUPTIONS, *_PASSED_ON)):
+        before = signal.signal(signal.SIGTSTP, pause)  # ignored or not, as before
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTSTP, before)
 
 
 class _Interrupted(KeyboardInterrupt):
@@ -673,15 +668,18 @@ class _Interrupted(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def _handling(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
-    """``handler`` for SIGINT, SIGTERM, SIGHUP and SIGQUIT (but those ``run`` was started
-    ignoring), then the handlers before it again."""
+def _handling(
+    handler: Callable[[int, FrameType | None], None],
+    signals: tuple[int, ...] = _INTERRUPTIONS,
+) -> Iterator[None]:
+    """``handler`` for ``signals`` (SIGINT, SIGTERM, SIGHUP and SIGQUIT by default; not
+    those ``run`` was started ignoring), then the handlers before it again."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {
         signum: signal.signal(signum, handler)
-        for signum in _INTERRUPTIONS
+        for signum in signals
         if signal.getsignal(signum) is not signal.SIG_IGN
     }
     try:
