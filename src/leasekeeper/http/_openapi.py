@@ -156,10 +156,14 @@ def _ref(name: str) -> dict[str, Any]:
     return {"$ref": _REF.format(model=name)}
 
 
-def _json(name: str, description: str, *, retry_after: bool = False) -> dict[str, Any]:
+def _json(
+    body: str | dict[str, Any], description: str, *, retry_after: bool = False
+) -> dict[str, Any]:
+    """A JSON response: ``body`` names a component schema, or is a schema itself."""
+    schema = _ref(body) if isinstance(body, str) else body
     response: dict[str, Any] = {
         "description": description,
-        "content": {"application/json": {"schema": _ref(name)}},
+        "content": {"application/json": {"schema": schema}},
     }
     if retry_after:
         response["headers"] = {
@@ -181,15 +185,14 @@ _COMMON_ERRORS = {
 
 def _one_of(description: str, *names: str, retry_after: bool = False) -> dict[str, Any]:
     """A response that is one of ``names``' bodies, told apart by their ``status``."""
-    response = _json(names[0], description, retry_after=retry_after)
-    response["content"]["application/json"]["schema"] = {
+    schema = {
         "oneOf": [_ref(name) for name in names],
         "discriminator": {
             "propertyName": "status",
             "mapping": {name.lower(): _REF.format(model=name) for name in names},
         },
     }
-    return response
+    return _json(schema, description, retry_after=retry_after)
 
 
 _NS = "ns_XbO8a6V9e5dMWYqghfPV3ykHTNpR3oZ0fQJm4l7K2nE"
