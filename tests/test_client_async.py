@@ -482,6 +482,41 @@ def test_async_renewal_answered_with_another_fencing_token_is_lost(
     run_app(scenario)
 
 
+class _RenewRefused(httpx.AsyncBaseTransport):
+    """Renewals get a proxy's 404; everything else reaches the app (``sent``: the routes)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+        self.sent: list[str] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.sent.append(request.url.path.rsplit("/", 1)[-1])
+        if request.url.path.endswith("/renew"):
+            return httpx.Response(404)
+        return await self.inner.handle_async_request(request)
+
+
+def test_async_lease_whose_renewal_was_refused_is_released_on_exit(
+    run_app: Callable[..., None], fake_time: FakeTime
+) -> None:
+    """As in the sync client: a renewal refused by something other than the service's
+    ``lost`` ends the lease for this worker, and leaving the block releases it."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        refusing = _RenewRefused(transport)
+        client = fake_client(refusing, fake_time)
+        namespace = await client.create_namespace()
+        async with client.lease(namespace, "refused", ttl=30) as lease:
+            assert not await worker_of(lease).step()
+            assert lease.lost.is_set()
+        assert refusing.sent[-2:] == ["renew", "release"]
+        assert isinstance(
+            await fake_client(transport, fake_time).acquire(namespace, "refused"), Lease
+        )
+
+    run_app(scenario)
+
+
 class _CompleteFailsOnce(httpx.AsyncBaseTransport):
     """The first /lease/complete gets no answer (``landed``: it reached the app first,
     and only its answer was lost); everything else reaches the app."""

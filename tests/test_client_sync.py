@@ -415,6 +415,52 @@ def test_a_renewal_answered_with_another_fencing_token_is_lost(
             lease.check()
 
 
+@pytest.mark.parametrize("answer", [404, 400], ids=["a proxy's 404", "400 invalid"])
+def test_a_lease_whose_renewal_was_refused_is_released_on_exit(
+    api: Any, fake_time: FakeTime, namespace: str, answer: int
+) -> None:
+    """A renewal refused by something other than the service's ``lost`` (a proxy's 404,
+    a 400) ends the lease for this worker, but the service may still hold it: leaving
+    the block releases it, so that the key is free at once rather than after its TTL."""
+    sent: list[str] = []
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        sent.append(request.url.path.rsplit("/", 1)[-1])
+        if request.url.path.endswith("/renew"):
+            body = {"ok": False, "status": "invalid", "error": "refused"}
+            return httpx.Response(answer, json=body) if answer == 400 else httpx.Response(404)
+        return None
+
+    client = make_client(api, fake_time, fault=fault)
+    with client.lease(namespace, KEY, ttl=30) as lease:
+        assert not worker_of(lease).step()
+        assert lease.lost.is_set()
+        assert lease.lost_error is not None and "ownership can no longer be assured" in (
+            lease.lost_error.error
+        )
+    assert sent[-2:] == ["renew", "release"]
+    assert isinstance(make_client(api, fake_time).acquire(namespace, KEY), Lease)
+
+
+def test_a_lease_the_service_answered_lost_is_not_released_on_exit(
+    api: Any, fake_time: FakeTime, namespace: str
+) -> None:
+    """A renewal answered ``lost`` by the service: nothing to release, none is sent."""
+    sent: list[str] = []
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        sent.append(request.url.path.rsplit("/", 1)[-1])
+        return None
+
+    client = make_client(api, fake_time, fault=fault)
+    with client.lease(namespace, KEY, ttl=30) as lease:
+        other = make_client(api, fake_time)
+        other.release(namespace, KEY, lease.grant.owner_token if lease.grant else "")
+        assert not worker_of(lease).step()
+        assert lease.lost.is_set()
+    assert sent[-1] == "renew"
+
+
 def test_acquire_raises_lease_held_when_the_wait_is_over(
     client: LeaseClient, namespace: str, fake_time: FakeTime
 ) -> None:

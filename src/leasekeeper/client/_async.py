@@ -318,7 +318,8 @@ class AsyncHeldLease:
 
     ``on_lost`` may be a plain function or a coroutine function; it runs in the
     renewal task. Leaving the block cancels the renewal task, then releases the
-    lease unless it was completed.
+    lease unless it was completed or lost (one lost to a renewal refused otherwise
+    than ``lost`` is released too: the service may still hold it).
     """
 
     def __init__(
@@ -356,6 +357,9 @@ class AsyncHeldLease:
         self._ended = False
         #: A complete's answer did not say whether it stored the result (``complete``).
         self._unsure = False
+        #: Lost for want of proof, not on the service's word: leaving releases it
+        #: (``LeaseClient``'s ``HeldLease`` has the same).
+        self._maybe_held = False
 
     def __repr__(self) -> str:
         state = (
@@ -431,7 +435,9 @@ class AsyncHeldLease:
             if self._ended:
                 return
             self._ended = True
-            if self.lost.is_set():  # the service said so, or its expiry has passed
+            # Lost on the service's word, or past its expiry: nothing to release. Lost to a
+            # renewal refused otherwise (a proxy's 404): the service may still hold it.
+            if self.lost.is_set() and not self._maybe_held:
                 return
             try:
                 await self._client.release(self._namespace, self._key, self._token())
@@ -564,18 +570,20 @@ class AsyncHeldLease:
             self.grant = renewed
             return self.grant.ttl_seconds
 
-    def _set_lost(self, error: LeaseLost) -> bool:
+    def _set_lost(self, error: LeaseLost, *, maybe_held: bool = False) -> bool:
         if self.lost.is_set() or self._ended:
             return False
         self.lost_error = error
+        self._maybe_held = maybe_held
         self.lost.set()
         fence = self.grant.fencing_token if self.grant else 0
         log.warning("lease lost (fencing token %d): %s", fence, error.error)
         return True
 
-    async def _lost(self, error: LeaseLost) -> None:
-        """Ownership ended without us: set ``lost``, log a WARNING, call ``on_lost`` once."""
-        if self._set_lost(error):
+    async def _lost(self, error: LeaseLost, *, maybe_held: bool = False) -> None:
+        """Ownership ended without us: set ``lost``, log a WARNING, call ``on_lost`` once.
+        ``maybe_held``: on no word of the service's, so leaving still releases it."""
+        if self._set_lost(error, maybe_held=maybe_held):
             await self._call_on_lost(error)
 
     async def _call_on_lost(self, error: LeaseLost) -> None:

@@ -10,7 +10,8 @@ reaches the lease's ``_lost`` (which sets ``lease.lost``, logs a WARNING and cal
     renew ok ──────────> next turn at sent_at + ttl/3
     lost (409) ────────> lease lost, worker ends
     503/5xx/429/408 ───> retry soon; past the local expiry: lease lost
-    other refusals ────> lease lost (nothing a retry would change)
+    other refusals ────> lease lost (nothing a retry would change); the block's
+                         exit still releases it, as the service may hold it
     granted < asked ───> lifecycle end: no more renewals; lost at the expiry
     stop() ────────────> worker ends, touches the lease no more
 
@@ -109,7 +110,7 @@ class _SyncLease(Protocol):
     def _renew_for_worker(
         self, request_seconds: float, deadline: Callable[[], AbstractContextManager[object]]
     ) -> int | None: ...
-    def _lost(self, error: LeaseLost) -> None: ...
+    def _lost(self, error: LeaseLost, *, maybe_held: bool = False) -> None: ...
 
 
 class _AsyncLease(Protocol):
@@ -118,7 +119,7 @@ class _AsyncLease(Protocol):
         request_seconds: float,
         deadline: Callable[[], AbstractAsyncContextManager[object]],
     ) -> int | None: ...
-    async def _lost(self, error: LeaseLost) -> None: ...
+    async def _lost(self, error: LeaseLost, *, maybe_held: bool = False) -> None: ...
 
 
 def _expired(plan: RenewalPlan) -> LeaseLost:
@@ -245,7 +246,8 @@ class RenewalWorker:
                     LeaseLost(
                         "Lease renewal stopped on an unexpected error; "
                         "ownership can no longer be assured"
-                    )
+                    ),
+                    maybe_held=True,
                 )
 
     def step(self) -> bool:
@@ -280,7 +282,7 @@ class RenewalWorker:
             return True
         except LeaseError as error:
             if not self.stopped:
-                lease._lost(_refused(error))
+                lease._lost(_refused(error), maybe_held=True)
             return False
         if granted is None or self.stopped:
             return False
@@ -364,7 +366,8 @@ class AsyncRenewalWorker:
                     LeaseLost(
                         "Lease renewal stopped on an unexpected error; "
                         "ownership can no longer be assured"
-                    )
+                    ),
+                    maybe_held=True,
                 )
 
     async def step(self) -> bool:
@@ -421,7 +424,7 @@ class AsyncRenewalWorker:
             return True
         except LeaseError as error:
             if not self.stopped:
-                await lease._lost(_refused(error))
+                await lease._lost(_refused(error), maybe_held=True)
             return False
         if granted is None or self.stopped:
             return False

@@ -347,7 +347,9 @@ class HeldLease:
 
     On entry the key is acquired (waiting up to ``wait``); a renewal thread then
     renews it about every third of ``ttl``. On exit renewal stops, and the lease
-    is released unless it was completed, also when the block raised.
+    is released unless it was completed or lost, also when the block raised (one
+    lost to a renewal refused otherwise than ``lost`` is released too: the service
+    may still hold it).
 
     If the key was already completed with this fingerprint, ``completed`` is
     true and ``result`` holds the stored result: nothing is renewed or released.
@@ -398,6 +400,9 @@ class HeldLease:
         self._ended = False  # this object ended ownership (completed, released, exited)
         #: A complete's answer did not say whether it stored the result (``complete``).
         self._unsure = False
+        #: Lost for want of proof, not on the service's word (a renewal refused otherwise
+        #: than ``lost``): the service may still hold it, so leaving releases it.
+        self._maybe_held = False
 
     def __repr__(self) -> str:
         state = (
@@ -471,10 +476,13 @@ class HeldLease:
         # A lost lease has nothing to release: a renewal still in flight (one that was
         # not answered by the expiry) is not waited for, nor is the lock it holds; nor
         # is the lock of one still in flight after the wait (the lease expires by itself).
-        stopped = self.renewer.stop(wait=not lost) if self.renewer is not None else True
-        if lost or not stopped:
+        # One lost to a refused renewal may still be held: it is released as a held one
+        # is (its worker has had its answer, and is ending).
+        release = not lost or self._maybe_held
+        stopped = self.renewer.stop(wait=release) if self.renewer is not None else True
+        if not release or not stopped:
             self._ended = True
-            if not lost:
+            if release:
                 log.warning(
                     "could not release the lease: a renewal is still waiting for its "
                     "answer; it expires by itself after its TTL"
@@ -484,7 +492,7 @@ class HeldLease:
             if self._ended:
                 return
             self._ended = True
-            if self.lost.is_set():
+            if self.lost.is_set() and not self._maybe_held:
                 return
             try:
                 self._client.release(self._namespace, self._key, self._token())
@@ -632,12 +640,15 @@ class HeldLease:
             self.grant = renewed
             return self.grant.ttl_seconds
 
-    def _lost(self, error: LeaseLost) -> None:
-        """Ownership ended without us: set ``lost``, log a WARNING, call ``on_lost`` once."""
+    def _lost(self, error: LeaseLost, *, maybe_held: bool = False) -> None:
+        """Ownership ended without us: set ``lost``, log a WARNING, call ``on_lost`` once.
+        ``maybe_held``: on no word of the service's (a renewal refused otherwise), so
+        leaving the block still releases it."""
         with self._lost_lock:
             if self.lost.is_set() or self._ended:
                 return
             self.lost_error = error
+            self._maybe_held = maybe_held
             self.lost.set()
         fence = self.grant.fencing_token if self.grant else 0
         log.warning("lease lost (fencing token %d): %s", fence, error.error)
