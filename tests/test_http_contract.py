@@ -798,6 +798,12 @@ class TestTransport:
         for body, field in ((held, "retry_after_seconds"), (conflict, "absolute_expires_at")):
             incomplete = {k: v for k, v in body.items() if k != field}
             assert not valid(lease, "409", incomplete), field
+        # One 409 for both, so its Retry-After says which of them carries it.
+        header = doc["paths"][lease]["post"]["responses"]["409"]["headers"]["Retry-After"]
+        assert header["description"].startswith("Seconds to wait: sent with held only")
+        conflicting = api.acquire(namespace=ns, key=KEY, fingerprint="b")
+        assert "retry-after" not in conflicting.headers
+        assert api.acquire(namespace=ns, key=KEY, fingerprint="a").headers["retry-after"]
 
     def test_metrics_are_prometheus_text_without_secrets(self, api: Api, ns: str) -> None:
         """/metrics counts requests by route and status and names no key or namespace."""

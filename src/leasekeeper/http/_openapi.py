@@ -157,33 +157,35 @@ def _ref(name: str) -> dict[str, Any]:
 
 
 def _json(
-    body: str | dict[str, Any], description: str, *, retry_after: bool = False
+    body: str | dict[str, Any], description: str, *, retry_after: str | None = None
 ) -> dict[str, Any]:
-    """A JSON response: ``body`` names a component schema, or is a schema itself."""
+    """A JSON response: ``body`` names a component schema, or is a schema itself;
+    ``retry_after`` describes its ``Retry-After`` header, when it has one."""
     schema = _ref(body) if isinstance(body, str) else body
     response: dict[str, Any] = {
         "description": description,
         "content": {"application/json": {"schema": schema}},
     }
-    if retry_after:
+    if retry_after is not None:
         response["headers"] = {
-            "Retry-After": {"description": "Seconds to wait", "schema": {"type": "integer"}}
+            "Retry-After": {"description": retry_after, "schema": {"type": "integer"}}
         }
     return response
 
 
+_WAIT = "Seconds to wait"
 _COMMON_ERRORS = {
     "400": _json("Error", "invalid: bad JSON, wrong type, or a broken rule"),
     "408": _json("Error", "timeout: the request body was not sent in time"),
     "413": _json("Error", "too_large: body over 64 KiB, or result over 32 KiB"),
-    "429": _json("Error", "rate_limited", retry_after=True),
+    "429": _json("Error", "rate_limited", retry_after=_WAIT),
     "500": _json("Error", "internal: an unforeseen failure (no details are given)"),
-    "503": _json("Error", "unavailable: the store cannot be reached", retry_after=True),
+    "503": _json("Error", "unavailable: the store cannot be reached", retry_after=_WAIT),
     "default": _json("Error", "any other refusal, in the same shape"),
 }
 
 
-def _one_of(description: str, *names: str, retry_after: bool = False) -> dict[str, Any]:
+def _one_of(description: str, *names: str, retry_after: str | None = None) -> dict[str, Any]:
     """A response that is one of ``names``' bodies, told apart by their ``status``."""
     schema = {
         "oneOf": [_ref(name) for name in names],
@@ -287,7 +289,10 @@ def openapi_document(base: str) -> dict[str, Any]:
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
     held = _one_of(
-        "held (another owner; Retry-After), or conflict", "Held", "Conflict", retry_after=True
+        "held (another owner; Retry-After), or conflict",
+        "Held",
+        "Conflict",
+        retry_after="Seconds to wait: sent with held only (a conflict is not waited out)",
     )
     lost = _json("Lost", "lost: you are not the live owner")
     acquire = _operation(
@@ -318,7 +323,7 @@ def openapi_document(base: str) -> dict[str, Any]:
             "summary": "Can the store be reached and written",
             "responses": {
                 "200": _json("Ready", "ready"),
-                "503": _json("Error", "unavailable", retry_after=True),
+                "503": _json("Error", "unavailable", retry_after=_WAIT),
             },
         }
     }
