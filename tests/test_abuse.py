@@ -92,6 +92,43 @@ def test_a_request_flood_is_refused_when_the_address_limit_is_on(
     assert attacker.post(f"{BASE}/lease", json={"namespace": ns, "key": "x"}).status_code == 201
 
 
+def test_one_ipv6_host_rotating_through_its_64_shares_one_budget(
+    monotonic: FakeMonotonic,
+) -> None:
+    """An IPv6 host usually holds a whole /64 and can send from any address in it: the
+    limits count it by its /64, so 150 mints from 150 of its addresses get 100 namespaces
+    (the burst), while the next /64 mints normally. An IPv4-mapped address is its IPv4."""
+    app = create_app(LeaseService(MemoryStore()), Settings(), monotonic=monotonic)
+    codes = [
+        TestClient(app, client=(f"2001:db8:1:2::{i + 1:x}", 4000))
+        .post(f"{BASE}/lease/namespace")
+        .status_code
+        for i in range(150)
+    ]
+    assert codes.count(201) == 100 and codes.count(429) == 50
+    serves_normally(TestClient(app, client=("2001:db8:1:3::1", 4000)))
+    mapped = TestClient(app, client=("::ffff:192.0.2.9", 4000))
+    plain = TestClient(app, client=("192.0.2.9", 4000))
+    assert [mapped.post(f"{BASE}/lease/namespace").status_code for _ in range(100)] == [201] * 100
+    assert plain.post(f"{BASE}/lease/namespace").status_code == 429
+
+
+def test_names_that_are_no_address_share_one_small_bucket(monotonic: FakeMonotonic) -> None:
+    """A loopback client names its own address (X-Forwarded-For, any text up to 64 KiB):
+    text that is no IP address is one bucket, so it neither mints past the burst by
+    changing its text nor fills memory with 100,000 keys of 60 KB each."""
+    app = create_app(LeaseService(MemoryStore()), Settings(), monotonic=monotonic)
+    mint = app.lease_routes[f"{BASE}/lease/namespace"].limits.mint
+    codes = [
+        TestClient(app, client=(f"{i}-" + "x" * 60_000, 4000))
+        .post(f"{BASE}/lease/namespace")
+        .status_code
+        for i in range(150)
+    ]
+    assert codes.count(201) == 100 and codes.count(429) == 50
+    assert sum(len(str(key)) for key in mint._buckets) < 64
+
+
 def test_a_namespace_flood_is_refused_when_the_namespace_limit_is_on(
     monotonic: FakeMonotonic,
 ) -> None:

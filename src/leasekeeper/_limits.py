@@ -17,6 +17,7 @@ limits log nothing.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import math
 import time
 from collections import OrderedDict
@@ -82,9 +83,26 @@ class RateLimiter:
 
 
 def client_address(scope: Mapping[str, Any]) -> str:
-    """The key of per-address limits: the ASGI scope's client host, else ``"unknown"``."""
+    """The key of per-address limits: the ASGI scope's client host as an IP address.
+
+    An IPv6 address counts as its /64, which one host usually holds whole and could
+    otherwise send from address after address; an IPv4-mapped one as its IPv4. A host
+    that is no IP address (a loopback client names its own in ``X-Forwarded-For``,
+    any text up to the head's 64 KiB) is ``"invalid"``, one bucket for them all: no
+    new budget for each new text, and no key of its size kept. No client: ``"unknown"``.
+    """
     client = scope.get("client")
-    return str(client[0]) if client else "unknown"
+    if not client:
+        return "unknown"
+    try:
+        ip = ipaddress.ip_address(client[0])
+    except ValueError:
+        return "invalid"
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((int(ip) >> 64 << 64, 64)))
+    return str(ip)
 
 
 def namespace_digest(namespace: str) -> bytes:
