@@ -164,3 +164,42 @@ def test_postgres_autocommit_outside_a_transaction_is_refused(pg_schema: tuple[s
         with conn.transaction():
             guard.check("r", 2)
         assert guard.current("r") == 2
+
+
+def test_sqlite_rows_as_dicts_are_read_too(tmp_path: Path) -> None:
+    """A connection whose rows are dicts (the sqlite3 documentation's dict_factory): a stale
+    fence is still StaleFence, with the current fence, and current() reads it."""
+
+    def dict_factory(cursor: sqlite3.Cursor, row: tuple[Any, ...]) -> dict[str, Any]:
+        return {column[0]: value for column, value in zip(cursor.description, row, strict=True)}
+
+    db = sqlite3.connect(tmp_path / "app.db")
+    db.row_factory = dict_factory
+    guard = FenceGuard(db)
+    guard.create_table()
+    with db:
+        guard.check("invoice:42", 185)
+    assert guard.current("invoice:42") == 185
+    with pytest.raises(StaleFence) as raised, db:
+        guard.check("invoice:42", 184)
+    assert raised.value.current_fence == 185
+    db.close()
+
+
+@pytest.mark.postgres
+def test_postgres_rows_as_dicts_are_read_too(pg_schema: tuple[str, str]) -> None:
+    """psycopg's dict_row: a stale fence is StaleFence, not a KeyError."""
+    import psycopg
+    from psycopg.rows import dict_row
+
+    url, schema = pg_schema
+    with psycopg.connect(url, row_factory=dict_row) as conn:
+        guard = FenceGuard(conn, table=f"{schema}.fences")
+        guard.create_table()
+        conn.commit()
+        with conn.transaction():
+            guard.check("invoice:42", 185)
+        with pytest.raises(StaleFence) as raised, conn.transaction():
+            guard.check("invoice:42", 184)
+        assert raised.value.current_fence == 185
+        assert guard.current("invoice:42") == 185

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import re
 import sqlite3
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from leasekeeper._errors import StaleFence
@@ -125,7 +126,11 @@ class FenceGuard:
     def current(self, resource: str) -> int | None:
         """The highest fencing token recorded for ``resource``, or None."""
         row = self.connection.execute(self.current_sql, (resource,)).fetchone()
-        return None if row is None else int(row[0])
+        if row is None:
+            return None
+        # A row as the connection makes them: a tuple, or a dict (psycopg's dict_row).
+        value = next(iter(row.values())) if isinstance(row, Mapping) else row[0]
+        return int(value)
 
     def _autocommits(self) -> bool:
         """Whether the next statement would commit on its own (no transaction begins)."""
