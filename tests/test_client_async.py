@@ -639,6 +639,25 @@ def test_async_once_finds_the_result_its_lost_answer_stored(
     run_app(scenario)
 
 
+def test_async_second_complete_after_an_unsure_one_was_stored_is_refused(
+    run_app: Callable[..., None], fake_time: FakeTime
+) -> None:
+    """As in the sync client: once the retried complete() found its result, another
+    complete() raises LeaseLost."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        client = fake_client(_CompleteFailsOnce(transport, landed=True), fake_time)
+        namespace = await client.create_namespace()
+        async with client.lease(namespace, "twice", ttl=30) as lease:
+            with pytest.raises(ServiceUnreachable):
+                await lease.complete(1)
+            assert await lease.complete(1) == 1
+            with pytest.raises(LeaseLost, match="completed"):
+                await lease.complete(2)
+
+    run_app(scenario)
+
+
 def test_async_once_gives_its_lease_and_stores_through_a_blip(
     run_app: Callable[..., None], fake_time: FakeTime
 ) -> None:

@@ -1014,6 +1014,23 @@ def test_once_finds_the_result_its_lost_answer_stored(
     assert calls == [1]
 
 
+def test_a_second_complete_after_an_unsure_one_was_stored_is_refused(
+    api: Any, fake_time: FakeTime, namespace: str
+) -> None:
+    """Once a retried complete() has found its result stored, the lease is completed: a
+    further complete() with another result raises LeaseLost, as it would have without the
+    blip, rather than report the first result as stored for it."""
+    client = make_client(api, fake_time, fault=answer_lost_after_complete(api))
+    with client.lease(namespace, KEY, ttl=30) as lease:
+        with pytest.raises(ServiceUnreachable):
+            lease.complete({"v": 1})
+        assert lease.complete({"v": 1}) == {"v": 1}
+        with pytest.raises(LeaseLost, match="completed"):
+            lease.complete({"v": 2})
+    found = make_client(api, fake_time).acquire(namespace, KEY)
+    assert isinstance(found, Completed) and found.result == {"v": 1}
+
+
 @pytest.mark.parametrize("stored", [False, True], ids=["before storing", "after storing"])
 @pytest.mark.parametrize(
     "answer",

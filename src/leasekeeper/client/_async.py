@@ -504,8 +504,8 @@ class AsyncHeldLease:
                 raise
             else:
                 lost = None
-            if done is not None:
-                self._ended = True
+            if done is not None:  # stored: from now on a complete() is refused as any is
+                self._ended, self._unsure = True, False
                 self.completion, self.completed, self.result = done, True, done.result
         if lost is not None:
             await self._lost(lost)
