@@ -517,6 +517,51 @@ def test_async_lease_whose_renewal_was_refused_is_released_on_exit(
     run_app(scenario)
 
 
+class _RenewAnsweredLost(httpx.AsyncBaseTransport):
+    """Renewals are answered ``lost`` (another owner took the key); the rest reaches the app."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/renew"):
+            body = {"ok": False, "status": "lost", "error": "You do not hold this lease"}
+            return httpx.Response(409, json=body)
+        return await self.inner.handle_async_request(request)
+
+
+def test_async_on_lost_is_not_cancelled_when_the_block_ends(
+    run_app: Callable[..., None], fake_time: FakeTime
+) -> None:
+    """A coroutine on_lost runs in the renewal task; a worker that sees ``lost`` and leaves
+    the block (as it should) does not cut it off at its first await: it runs to its end,
+    as the sync client's does."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        client = AsyncLeaseClient(
+            BASE_URL,
+            transport=_RenewAnsweredLost(transport),
+            monotonic=fake_time.monotonic,
+            signal_factory=fake_time.signal,
+            random=lambda: 0.0,
+        )
+        namespace = await client.create_namespace()
+        gate, finished = asyncio.Event(), []
+
+        async def on_lost(error: LeaseLost) -> None:
+            await gate.wait()  # a notification on its way, say
+            finished.append(error.error)
+
+        async with client.lease(namespace, "told", ttl=30, on_lost=on_lost) as lease:
+            await asyncio.wait_for(lease.lost.wait(), 5)
+        gate.set()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert finished == ["You do not hold this lease"]
+
+    run_app(scenario)
+
+
 class _CompleteFailsOnce(httpx.AsyncBaseTransport):
     """The first /lease/complete gets no answer (``landed``: it reached the app first,
     and only its answer was lost); everything else reaches the app."""

@@ -317,7 +317,8 @@ class AsyncHeldLease:
     """The asyncio mirror of ``HeldLease``: renewed by a task, ``lost`` an ``asyncio.Event``.
 
     ``on_lost`` may be a plain function or a coroutine function; it runs in the
-    renewal task. Leaving the block cancels the renewal task, then releases the
+    renewal task, and runs to its end even when the block is left meanwhile. Leaving
+    the block cancels the renewal task (not a lost lease's), then releases the
     lease unless it was completed or lost (one lost to a renewal refused otherwise
     than ``lost`` is released too: the service may still hold it).
     """
@@ -429,8 +430,15 @@ class AsyncHeldLease:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        lost = self.lost.is_set()
         if self.renewer is not None:
-            await self.renewer.stop()
+            # A lost lease's renewal task is not cancelled: it may be running on_lost, which
+            # runs to its end as in the sync client (a renewal still in flight ends by its
+            # own deadline, and acts on nothing).
+            await self.renewer.stop(cancel=not lost)
+        if lost and not self._maybe_held:
+            self._ended = True
+            return
         async with self._lock:
             if self._ended:
                 return

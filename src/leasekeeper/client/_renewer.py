@@ -343,11 +343,13 @@ class AsyncRenewalWorker:
     def start(self) -> None:
         self._task = self._task_factory(self.run())
 
-    async def stop(self) -> None:
-        """End renewal now, cancelling a renewal in flight."""
+    async def stop(self, *, cancel: bool = True) -> None:
+        """End renewal now, cancelling a renewal in flight; with ``cancel`` false the task
+        is left to end by itself (an ``on_lost`` it is running runs to its end), and acts
+        on the lease no more."""
         self._stop.set()
         task = self._task
-        if task is None or task is asyncio.current_task() or task.done():
+        if not cancel or task is None or task is asyncio.current_task() or task.done():
             return
         task.cancel()
         # asyncio.wait does not raise the task's CancelledError, so a cancellation
