@@ -530,6 +530,20 @@ class _RenewAnsweredLost(httpx.AsyncBaseTransport):
         return await self.inner.handle_async_request(request)
 
 
+def test_async_injected_client_gets_its_service_url_checked_too() -> None:
+    """As in the sync client: with client=, a URL that is not http(s) with a host, or a
+    client without a base_url, raises ValueError at once."""
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient() as http:
+            with pytest.raises(ValueError, match="must be http:// or https:// with a host"):
+                AsyncLeaseClient("127.0.0.1:8787", client=http)
+            with pytest.raises(ValueError, match="must be http:// or https:// with a host"):
+                AsyncLeaseClient(client=http)
+
+    asyncio.run(scenario())
+
+
 def test_async_on_lost_is_not_cancelled_when_the_block_ends(
     run_app: Callable[..., None], fake_time: FakeTime
 ) -> None:

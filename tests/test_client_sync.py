@@ -277,6 +277,22 @@ def test_injected_httpx_client_and_url_with_base_path(api: Any) -> None:
         LeaseClient(client=http, transport=bridge(api))
 
 
+@pytest.mark.parametrize("client_url", ["", BASE_URL], ids=["client without", "client with"])
+@pytest.mark.parametrize("url", ["127.0.0.1:8787", "ftp://host", None], ids=str)
+def test_an_injected_client_gets_its_service_url_checked_too(
+    api: Any, url: str | None, client_url: str
+) -> None:
+    """With client=, the URL given (else the client's own base_url) must be http:// or
+    https:// with a host, as without: every request would otherwise fail as unreachable,
+    which once() and wait= retry for ever. ValueError at once instead."""
+    with httpx.Client(base_url=client_url, transport=bridge(api)) as http:
+        if url is None and client_url:
+            assert LeaseClient(client=http).create_namespace().startswith("ns_")
+            return
+        with pytest.raises(ValueError, match="must be http:// or https:// with a host"):
+            LeaseClient(url, client=http)
+
+
 def test_starlette_testclient_can_be_injected_too(api: Any, fake_time: FakeTime) -> None:
     """Starlette's TestClient (an httpx2.Client, not an httpx.Client) works duck-typed."""
     client = LeaseClient(

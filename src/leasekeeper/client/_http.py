@@ -110,10 +110,15 @@ def http_root(base_url: str | None) -> str:
 def route_prefix(base_url: str | None, client: Any) -> str:
     """What goes before a route on an injected ``client``: ``base_url``'s API root when
     given, else nothing when the client's own base URL ends at the API root already
-    (``.../services/v1``), else ``/services/v1``."""
+    (``.../services/v1``), else ``/services/v1``.
+
+    ``ValueError`` as from ``http_root`` unless the URL used (``base_url``, else the
+    client's own, which must then be there) is ``http://`` or ``https://`` with a host.
+    """
     if base_url:
-        return api_root(base_url)
+        return http_root(base_url)
     own = str(getattr(client, "base_url", "")).rstrip("/")
+    http_root(own or "-")  # "-": no URL is no http:// one either
     return "" if own.endswith(BASE_PATH) else BASE_PATH
 
 
