@@ -29,7 +29,7 @@ from leasekeeper.http import create_app
 from leasekeeper.store import SqliteStore
 from tests._server import free_port, running_server, start_server
 from tests._stores import STORES, store_target
-from tests.conftest import ManualSleep
+from tests.conftest import ManualSleep, metric
 
 pytestmark = pytest.mark.slow
 
@@ -584,7 +584,7 @@ def test_the_first_cleanup_runs_within_the_first_interval(tmp_path: Path) -> Non
 def test_requests_over_the_in_flight_cap_get_json_503(tmp_path: Path) -> None:
     """Past LEASEKEEPER_MAX_CONNECTIONS requests in flight, the rest get 503 unavailable."""
 
-    async def main() -> list[httpx.Response]:
+    async def main() -> tuple[list[httpx.Response], str]:
         service = LeaseService(SqliteStore(tmp_path / "cap.db", FakeClock()))
         app = create_app(service, Settings(max_connections=1), run_cleanup=False)
         await service.start()
@@ -593,11 +593,12 @@ def test_requests_over_the_in_flight_cap_get_json_503(tmp_path: Path) -> None:
             async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
                 body = {"namespace": "ns_" + "D" * 42 + "A", "key": "k"}
                 calls = [client.post("/services/v1/lease", json=body) for _ in range(20)]
-                return list(await asyncio.gather(*calls))
+                responses = list(await asyncio.gather(*calls))
+                return responses, (await client.get("/metrics")).text
         finally:
             await service.stop()
 
-    responses = asyncio.run(main())
+    responses, metrics = asyncio.run(main())
     refused = [r for r in responses if r.status_code == 503]
     assert refused, "some requests must find the cap reached"
     assert [r.status_code for r in responses].count(201) == 1
@@ -605,6 +606,11 @@ def test_requests_over_the_in_flight_cap_get_json_503(tmp_path: Path) -> None:
         assert response.json()["status"] == "unavailable"
         assert response.headers["retry-after"] == "1"
         assert response.headers["cache-control"] == "no-store"
+    # Counted and timed as every answer is.
+    assert metric(metrics, "leasekeeper_requests_total", route="acquire", status="503") == len(
+        refused
+    )
+    assert metric(metrics, "leasekeeper_request_seconds_count", route="acquire") == 20
 
 
 def test_connections_over_the_cap_get_json_503(tmp_path: Path) -> None:
@@ -635,6 +641,9 @@ def test_connections_over_the_cap_get_json_503(tmp_path: Path) -> None:
         assert refused.headers["x-content-type-options"] == "nosniff"
         assert len(refused.headers["x-request-id"]) == 16
         assert refused.headers["retry-after"] == "1"
+        # Counted as every answer is, so that an operator sees clients turned away.
+        text = httpx.get(server.url + "/metrics", timeout=5).text
+        assert metric(text, "leasekeeper_requests_total", route="healthz", status="503") == 1
 
 
 def test_sqlite_writer_survives_a_failing_batch(tmp_path: Path) -> None:

@@ -99,7 +99,7 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
     service = _service(settings)
     quiet_sdk_logs()
     app = serve_app(service, settings)
-    _json_connection_limit_responses()
+    _json_connection_limit_responses(app)
     slow_headers = app.metrics.slow_clients.labels("headers")
     protocol = guard_protocol(
         _http_protocol(), settings.request_timeout_seconds, on_timeout=slow_headers.inc
@@ -197,15 +197,13 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def _json_connection_limit_responses() -> None:
-    """Make uvicorn's connection-limit refusal a JSON 503 like every other response.
+def _json_connection_limit_responses(app: LeaseApp) -> None:
+    """Make uvicorn's connection-limit refusal ``app``'s JSON 503, counted in its metrics.
 
     uvicorn answers past ``limit_concurrency`` with a plain-text 503 from a module
     global it looks up per request; we replace that global with our JSON responder.
     """
-    from leasekeeper.http import json_unavailable_app
-
-    responder = json_unavailable_app()
+    responder = app.at_connection_limit()
     for name in ("httptools_impl", "h11_impl"):
         try:
             module = __import__(f"uvicorn.protocols.http.{name}", fromlist=["service_unavailable"])

@@ -1,6 +1,6 @@
 """The HTTP adapter: ``create_app(service, settings)`` returns the ASGI application."""
 
-from leasekeeper.http._app import BASE_PATH, LeaseApp, create_app, json_unavailable_app
+from leasekeeper.http._app import BASE_PATH, LeaseApp, create_app
 from leasekeeper.http._errors import STATUS_CODES, error_response
 
 __all__ = [
@@ -9,5 +9,4 @@ __all__ = [
     "LeaseApp",
     "create_app",
     "error_response",
-    "json_unavailable_app",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import signal
@@ -55,7 +56,6 @@ __all__ = [
     "LeaseApp",
     "LeaseEndpoint",
     "create_app",
-    "json_unavailable_app",
     "read_body",
 ]
 
@@ -551,7 +551,15 @@ class LeaseApp:
         self._counted = Children(metrics.requests, "inc")
         self._timed = Children(metrics.latency, "observe")
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def at_connection_limit(self) -> ASGIApp:
+        """The app uvicorn runs instead of this one past its connection limit: the JSON 503
+        of the in-flight cap, with every response's headers, counted, timed and logged as
+        every answer is."""
+        return functools.partial(self, refuse=True)
+
+    async def __call__(
+        self, scope: Scope, receive: Receive, send: Send, *, refuse: bool = False
+    ) -> None:
         if scope["type"] != "http":
             if scope["type"] == "lifespan":
                 send = self._lifespan_send(send)
@@ -568,23 +576,23 @@ class LeaseApp:
             scope = {**scope, "path": path}
         route = self.route_names.get(path, "other")
         try:
-            if self.in_flight >= self.max_in_flight:
-                status, body, extra = self._busy
-                await _send_json(send, status, body, list(extra), header_id)
-                self._count(route, status)
-                return
-            endpoint = self.lease_routes.get(path) if scope["method"] == "POST" else None
             started = time.perf_counter()
-            self.in_flight += 1
             status = 500
+            busy = refuse or self.in_flight >= self.max_in_flight
+            if not busy:
+                self.in_flight += 1
             try:
-                if endpoint is not None:
+                if busy:
+                    status, body, extra = self._busy
+                    await _send_json(send, status, body, list(extra), header_id)
+                elif scope["method"] == "POST" and (endpoint := self.lease_routes.get(path)):
                     status = await endpoint(scope, receive, send, header_id)
                 else:
                     status = await self._starlette(scope, receive, send, header_id)
             finally:
                 elapsed = time.perf_counter() - started
-                self.in_flight -= 1
+                if not busy:
+                    self.in_flight -= 1
                 self._count(route, status)
                 self._timed[route](elapsed)
                 if access_log.isEnabledFor(logging.DEBUG):
@@ -634,17 +642,3 @@ class LeaseApp:
 
         await self.app(scope, receive, send_with_headers)
         return status_code
-
-
-def json_unavailable_app() -> ASGIApp:
-    """An ASGI app answering 503 ``unavailable`` in JSON (used for uvicorn's connection cap),
-    with the headers ``LeaseApp`` gives every response: uvicorn calls it instead."""
-    status, body, extra = error_parts(
-        ServiceUnavailable("The server is at its connection limit; retry shortly")
-    )
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        request_id = f"{random.getrandbits(64):016x}".encode("ascii")
-        await _send_json(send, status, body, extra, request_id)
-
-    return app
