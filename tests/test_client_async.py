@@ -478,6 +478,10 @@ def test_async_renewal_answered_with_another_fencing_token_is_lost(
             assert lease.lost.is_set() and lease.fencing_token == fence
             assert lease.lost_error is not None
             assert "another fencing token" in lease.lost_error.error
+            assert type(lease.lost_error) is LeaseLost
+        # Not the service's word: the block's end released it, and the key is free.
+        again = await fake_client(transport, fake_time).acquire(namespace, "fence-changed")
+        assert isinstance(again, Lease)
 
     run_app(scenario)
 

@@ -429,6 +429,9 @@ def test_a_renewal_answered_with_another_fencing_token_is_lost(
         ]
         with pytest.raises(LeaseLost):
             lease.check()
+        assert type(lease.lost_error) is LeaseLost
+    # Not the service's word: it may hold the lease still, and the block's end released it.
+    assert isinstance(make_client(api, fake_time).acquire(namespace, KEY), Lease)
 
 
 @pytest.mark.parametrize("answer", [404, 400], ids=["a proxy's 404", "400 invalid"])

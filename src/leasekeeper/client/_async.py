@@ -42,7 +42,13 @@ from leasekeeper.client._http import (
     route_prefix,
     unreachable,
 )
-from leasekeeper.client._renewer import AsyncRenewalWorker, AsyncSignal, AsyncWaiter, TaskFactory
+from leasekeeper.client._renewer import (
+    AsyncRenewalWorker,
+    AsyncSignal,
+    AsyncWaiter,
+    TaskFactory,
+    Unproven,
+)
 from leasekeeper.client._results import (
     Completed,
     Lease,
@@ -320,7 +326,8 @@ class AsyncHeldLease:
     renewal task, and runs to its end even when the block is left meanwhile. Leaving
     the block cancels the renewal task (not a lost lease's), then releases the
     lease unless it was completed or lost (one lost to a renewal refused otherwise
-    than ``lost`` is released too: the service may still hold it).
+    than ``lost``, or answered with another fencing token, is released too: the
+    service may still hold it).
     """
 
     def __init__(
@@ -574,7 +581,7 @@ class AsyncHeldLease:
                     self._namespace, self._key, self._token(), self._ttl, request_seconds
                 )
             if self.grant is not None and renewed.fencing_token != self.grant.fencing_token:
-                raise LeaseLost(FENCE_CHANGED)
+                raise Unproven(FENCE_CHANGED)
             self.grant = renewed
             return self.grant.ttl_seconds
 

@@ -9,6 +9,7 @@ reaches the lease's ``_lost`` (which sets ``lease.lost``, logs a WARNING and cal
 
     renew ok ──────────> next turn at sent_at + ttl/3
     lost (409) ────────> lease lost, worker ends
+    another fence ─────> lease lost (Unproven); the block's exit still releases it
     503/5xx/429/408 ───> retry soon; past the local expiry: lease lost
     other refusals ────> lease lost (nothing a retry would change); the block's
                          exit still releases it, as the service may hold it
@@ -41,6 +42,7 @@ __all__ = [
     "TaskFactory",
     "ThreadFactory",
     "ThreadLike",
+    "Unproven",
     "Waiter",
 ]
 
@@ -49,6 +51,19 @@ __all__ = [
 _RETRIED = (ServerError, RateLimited, RequestTimeout)
 
 log = logging.getLogger("leasekeeper.client")
+
+
+class Unproven(LeaseLost):
+    """Raised by a lease's renewal for an answer that cannot prove ownership, though the
+    service did not say it is gone (one with another fencing token): the worker reports
+    it as a plain ``LeaseLost`` that leaving the block still releases (``maybe_held``)."""
+
+
+def _report_lost(error: LeaseLost) -> tuple[LeaseLost, bool]:
+    """What the lease is told of ``error``: the error, and whether it may still be held."""
+    if isinstance(error, Unproven):
+        return LeaseLost(error.error), True
+    return error, False
 
 
 class Waiter(Protocol):
@@ -271,7 +286,8 @@ class RenewalWorker:
             granted = lease._renew_for_worker(timeout, lambda: self._watch_expiry(lease))
         except LeaseLost as error:
             if not self.stopped:
-                lease._lost(error)
+                told, maybe_held = _report_lost(error)
+                lease._lost(told, maybe_held=maybe_held)
             return False
         except _RETRIED as error:
             if self.stopped:
@@ -415,7 +431,8 @@ class AsyncRenewalWorker:
             return True
         except LeaseLost as error:
             if not self.stopped:
-                await lease._lost(error)
+                told, maybe_held = _report_lost(error)
+                await lease._lost(told, maybe_held=maybe_held)
             return False
         except _RETRIED as error:
             if self.stopped:

@@ -46,7 +46,7 @@ from leasekeeper.client._http import (
     route_prefix,
     unreachable,
 )
-from leasekeeper.client._renewer import RenewalWorker, ThreadFactory, Waiter
+from leasekeeper.client._renewer import RenewalWorker, ThreadFactory, Unproven, Waiter
 from leasekeeper.client._results import (
     Completed,
     Lease,
@@ -348,8 +348,8 @@ class HeldLease:
     On entry the key is acquired (waiting up to ``wait``); a renewal thread then
     renews it about every third of ``ttl``. On exit renewal stops, and the lease
     is released unless it was completed or lost, also when the block raised (one
-    lost to a renewal refused otherwise than ``lost`` is released too: the service
-    may still hold it).
+    lost to a renewal refused otherwise than ``lost``, or answered with another
+    fencing token, is released too: the service may still hold it).
 
     If the key was already completed with this fingerprint, ``completed`` is
     true and ``result`` holds the stored result: nothing is renewed or released.
@@ -636,7 +636,7 @@ class HeldLease:
                     self._namespace, self._key, self._token(), self._ttl, request_seconds
                 )
             if self.grant is not None and renewed.fencing_token != self.grant.fencing_token:
-                raise LeaseLost(FENCE_CHANGED)
+                raise Unproven(FENCE_CHANGED)
             self.grant = renewed
             return self.grant.ttl_seconds
 
