@@ -752,6 +752,9 @@ class TestTransport:
         assert schemas["AcquireBody"]["properties"]["ttl_seconds"]
         assert "owner_token" in schemas["CompleteBody"]["required"]
         assert api.client.get("/docs").headers["content-type"].startswith("text/html")
+        # What no JSON Schema can say of a body is said in words.
+        for rule in ("64 KiB", "a repeated name", "deeper than 64 levels", "byte-order mark"):
+            assert rule in doc["info"]["description"], rule
 
     def test_openapi_serves_client_generators(self, api: Api, ns: str) -> None:
         """What generated clients need: a stable operationId per operation; request bodies

@@ -332,7 +332,13 @@ def openapi_document(base: str) -> dict[str, Any]:
         "info": {
             "title": "leasekeeper",
             "version": "1",
-            "description": "Leases, fencing tokens and idempotent results.",
+            "description": (
+                "Leases, fencing tokens and idempotent results. Bodies are strict JSON, "
+                "beyond what the schemas say: one object of at most 64 KiB (413 "
+                "too_large past it); NaN, Infinity, a repeated name, a lone surrogate, "
+                "nesting deeper than 64 levels and an integer of more than 4,300 digits "
+                "are 400 invalid. A UTF-8 byte-order mark before a body is ignored."
+            ),
         },
         "paths": {
             f"{base}/lease/namespace": _operation(
