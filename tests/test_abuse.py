@@ -379,6 +379,9 @@ def test_a_body_that_does_not_arrive_is_cut_off(server: Server, sent: bytes, pat
     slow_bodies = _slow_bodies(server)
     sock.sendall(head.encode() + sent)
     status, headers, body, took = answer(sock)
+    if path == "/mcp":  # a JSON-RPC error, which MCP clients read, with the API's body
+        assert body["error"]["code"] == -32600 and body["id"] is None
+        body = body["error"]["data"]
     assert (status, body["status"]) == (408, "timeout") and headers["connection"] == "close"
     assert took <= TIMEOUT + 2
     assert _slow_bodies(server) == slow_bodies + 1  # counted, on /mcp as on the API
@@ -447,6 +450,11 @@ def test_a_huge_declared_body_is_refused_before_it_is_read(server: Server, path:
     sock.sendall(head.encode())
     sock.sendall(b"00000000000\r\n\r\n{")
     status, headers, body, took = answer(sock)
+    if path == "/mcp":  # a JSON-RPC error, which MCP clients read, with the API's body
+        assert body["error"]["message"] == (
+            "Invalid request: the message is larger than 65536 bytes"
+        )
+        body = body["error"]["data"]
     assert (status, body["status"]) == (413, "too_large") and headers["connection"] == "close"
     assert took < TIMEOUT
 

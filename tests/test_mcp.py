@@ -714,7 +714,21 @@ def test_mcp_route_limits_bodies_and_hosts(app_with_mcp: TestClient) -> None:
     big = {**_INITIALIZE, "params": {**_INITIALIZE["params"], "pad": "x" * 70_000}}
     too_large = app_with_mcp.post("/mcp", json=big, headers=_MCP_HEADERS)
     assert too_large.status_code == 413
-    assert too_large.json()["status"] == "too_large"  # the API's body, not plain text
+    # A JSON-RPC error (an MCP client reads no other body: it would say "Server returned
+    # an error response"), with the id unread, and the API's body as its data.
+    assert too_large.json() == {
+        "jsonrpc": "2.0",
+        "id": None,
+        "error": {
+            "code": -32600,
+            "message": "Invalid request: the message is larger than 65536 bytes",
+            "data": {
+                "ok": False,
+                "status": "too_large",
+                "error": "Request body is larger than 65536 bytes",
+            },
+        },
+    }
     assert too_large.headers["connection"] == "close"
     rebinding = app_with_mcp.post(
         "/mcp", json=_INITIALIZE, headers={**_MCP_HEADERS, "host": "evil.example"}

@@ -90,7 +90,7 @@ from leasekeeper._schemas import DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
 from leasekeeper._service import LeaseService
 from leasekeeper._settings import Settings
 from leasekeeper.http._app import ClientGone, read_body
-from leasekeeper.http._errors import error_response
+from leasekeeper.http._errors import status_code
 
 __all__ = [
     "INSTRUCTIONS",
@@ -584,11 +584,13 @@ class _Gate:
     (``http._app.read_body``), then handed to the SDK whole.
 
     - The whole body must arrive within ``body_timeout`` seconds, or the answer is
-      the API's 408 ``timeout`` and the connection is closed: the SDK waits for a
-      body as long as the client likes, so a few clients promising bodies they do
-      not send would hold every connection slot.
+      the API's 408 and the connection is closed: the SDK waits for a body as long
+      as the client likes, so a few clients promising bodies they do not send would
+      hold every connection slot.
     - A body over ``max_body`` bytes, or a ``Content-Length`` announcing one, gets
-      the API's 413 ``too_large`` (the connection is closed: the rest is not read).
+      the API's 413 (the connection is closed: the rest is not read). Both are
+      JSON-RPC errors (-32600) whose data is the API's ``timeout`` or ``too_large``
+      body: an MCP client reads no other body at an error status.
     - The body is read by the API's rules (``read_message``, as each line over stdio)
       before the SDK reads it, and one refused gets its JSON-RPC error with HTTP 400,
       as the SDK answers malformed JSON. A byte-order mark is ignored, as before an
@@ -611,7 +613,7 @@ class _Gate:
         except ClientGone:
             return
         except (PayloadTooLarge, RequestTimeout) as error:
-            await _closing(error)(scope, receive, send)  # the rest is not read
+            await self._closing(error)(scope, receive, send)  # the rest is not read
             return
         body = body.removeprefix(UTF8_BOM)  # ignored, as before a body of the API's
         read = read_message(body)
@@ -625,6 +627,20 @@ class _Gate:
 
         await self.app(scope, replayed, _sdk_errors_as_json(send))
 
+    def _closing(self, error: PayloadTooLarge | RequestTimeout) -> Response:
+        """The API's status for a body too large or too slow, as a JSON-RPC error (an MCP
+        client reads no other body at an error status), whose data is the API's body; the
+        id is unread (null); the connection is closed."""
+        if isinstance(error, PayloadTooLarge):
+            message = f"Invalid request: the message is larger than {self.max_body} bytes"
+        else:
+            message = f"Invalid request: {error.error}"
+        refused = {"code": types.INVALID_REQUEST, "message": message, "data": error.body()}
+        body = orjson.dumps({"jsonrpc": "2.0", "id": None, "error": refused})
+        response = Response(body, status_code=status_code(error), media_type="application/json")
+        response.headers["connection"] = "close"
+        return response
+
 
 def _count_slow_body(scope: Scope) -> None:
     """Count a body cut off at its deadline in ``leasekeeper_slow_clients_total{stage="body"}``,
@@ -633,12 +649,6 @@ def _count_slow_body(scope: Scope) -> None:
     metrics = getattr(getattr(scope.get("app"), "state", None), "metrics", None)
     if isinstance(metrics, Metrics):
         metrics.slow_clients.labels("body").inc()
-
-
-def _closing(error: LeaseError) -> Response:
-    response = error_response(error)
-    response.headers["connection"] = "close"
-    return response
 
 
 def _refused(refusal: Refusal) -> Response:
