@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -1258,6 +1259,49 @@ def test_ctrl_c_ends_the_stdio_server_while_its_stdin_stays_open(tmp_path: Path)
         assert peer.answer(b'{"jsonrpc":"2.0","id":1,"method":"ping"}')["id"] == 1
         peer.process.send_signal(signal.SIGINT)
         assert peer.process.wait(FLOW_TIMEOUT) in (0, 1, -signal.SIGINT)
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_calls_are_served_is_a_clean_stop(tmp_path: Path) -> None:
+    """SIGINT while hundreds of calls are in flight stops ``leasekeeper mcp`` as an idle
+    one stops: exit 0, and no ERROR with a traceback (the SDK's streams, closed under
+    the answers on their way, had made it look like a crash to a supervisor)."""
+    with (
+        (tmp_path / "stdio.log").open("w") as errlog,
+        _StdioPeer(tmp_path / "busy.db", errlog) as peer,
+    ):
+        assert "result" in peer.answer(_INITIALIZE_LINE)
+        peer.send(b'{"jsonrpc":"2.0","method":"notifications/initialized"}')
+        assert peer.process.stdout is not None
+        drained = threading.Thread(target=peer.process.stdout.read, daemon=True)
+        drained.start()
+        for request_id in range(1, 400):
+            peer.send(peer.call(request_id, "acquire_lease", b'{"key":"job-%d"}' % request_id))
+        time.sleep(0.05)  # real processes: mid-way through the calls
+        peer.process.send_signal(signal.SIGINT)
+        assert peer.process.wait(FLOW_TIMEOUT) == 0
+    log = (tmp_path / "stdio.log").read_text()
+    assert '"level":"ERROR"' not in log and "Traceback" not in log, log
+
+
+@pytest.mark.slow
+def test_a_peer_that_closes_stdout_ends_the_stdio_server_in_one_line(tmp_path: Path) -> None:
+    """The peer closes the server's stdout (it went away) and sends on: the server stops,
+    exit 0, with one WARNING saying so, not an ERROR and a traceback."""
+    with (
+        (tmp_path / "stdio.log").open("w") as errlog,
+        _StdioPeer(tmp_path / "gone.db", errlog) as peer,
+    ):
+        assert "result" in peer.answer(_INITIALIZE_LINE)
+        assert peer.process.stdout is not None
+        peer.process.stdout.close()
+        peer.send(b'{"jsonrpc":"2.0","id":1,"method":"ping"}')
+        assert peer.process.wait(FLOW_TIMEOUT) == 0
+    lines = [json.loads(line) for line in (tmp_path / "stdio.log").read_text().splitlines()]
+    assert [line["level"] for line in lines if line["level"] != "INFO"] == ["WARNING"], lines
+    assert "stdout is closed" in lines[-1]["message"] or any(
+        "stdout is closed" in line["message"] for line in lines
+    )
 
 
 @pytest.mark.parametrize(

@@ -774,8 +774,21 @@ async def serve_stdio(
                 answers = stdin.answer_through(write_stream)
                 await server.run(read_stream, answers, server.create_initialization_options())
             tasks.cancel_scope.cancel()
+    except* BrokenPipeError:  # the peer closed our stdout: nobody reads the answers
+        log.warning("stdout is closed (the MCP client went away); stopping")
+    except* (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        # Stopped (Ctrl-C) while answers were on their way: the SDK's streams were closed
+        # under them. That is the stop asked for, not a failure; anything else is one.
+        if not _stopping():
+            raise
     finally:
         await service.stop()
+
+
+def _stopping() -> bool:
+    """Whether the current task is being cancelled (``asyncio.run`` on Ctrl-C)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 class StrictStdin:
