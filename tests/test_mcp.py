@@ -1249,6 +1249,33 @@ def test_requests_before_the_end_of_stdin_are_answered_with_their_outcome(
 
 
 @pytest.mark.slow
+def test_calls_sharing_an_id_before_stdin_closes_are_all_answered(tmp_path: Path) -> None:
+    """Three calls with one id (JSON-RPC asks for distinct ones; a client may not care)
+    sent just before stdin closes: each is answered before the server exits, not the
+    first alone while the others are cancelled after their work was done. And a
+    cancellation naming an id no request can have (a list) changes nothing."""
+    with (
+        (tmp_path / "stdio.log").open("w") as errlog,
+        _StdioPeer(tmp_path / "same.db", errlog) as peer,
+    ):
+        assert "result" in peer.answer(_INITIALIZE_LINE)
+        peer.send(b'{"jsonrpc":"2.0","method":"notifications/initialized"}')
+        peer.send(
+            b'{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":[1]}}'
+        )
+        for _ in range(3):
+            peer.send(peer.call(1, "create_lease_namespace", b"{}"))
+        assert peer.process.stdin is not None and peer.process.stdout is not None
+        peer.process.stdin.close()
+        assert peer.process.wait(FLOW_TIMEOUT) == 0
+        answers = [json.loads(line) for line in peer.process.stdout.read().splitlines()]
+    assert [answer["id"] for answer in answers] == [1, 1, 1]
+    minted = {answer["result"]["structuredContent"]["namespace"] for answer in answers}
+    assert len(minted) == 3
+    assert '"level":"ERROR"' not in (tmp_path / "stdio.log").read_text()
+
+
+@pytest.mark.slow
 def test_ctrl_c_ends_the_stdio_server_while_its_stdin_stays_open(tmp_path: Path) -> None:
     """SIGINT ends ``leasekeeper mcp`` even while its peer keeps stdin open: the line
     reader is a daemon thread, not one the interpreter waits for at exit."""

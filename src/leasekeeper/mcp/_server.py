@@ -39,6 +39,7 @@ tokens, fingerprints and results.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import importlib.metadata
@@ -811,7 +812,8 @@ class StrictStdin:
         self._max_bytes = max_bytes
         self._answers: Any = None
         self._ready = anyio.Event()
-        self._unanswered: set[int | str] = set()  # requests handed on, not yet answered
+        # Requests handed on, not yet answered, by id (a client may reuse an id).
+        self._unanswered: collections.Counter[int | str] = collections.Counter()
         self._answered = anyio.Event()
 
     def answer_through(self, write_stream: Any) -> _Watched:
@@ -822,8 +824,15 @@ class StrictStdin:
         return _Watched(write_stream, self._settled)
 
     def _settled(self, request_id: object) -> None:
-        if request_id in self._unanswered:
-            self._unanswered.discard(request_id)
+        """One request ``request_id`` (any value a client sent) is answered or cancelled."""
+        if (
+            isinstance(request_id, int | str)
+            and not isinstance(request_id, bool)  # True would settle id 1
+            and self._unanswered[request_id] > 0
+        ):
+            self._unanswered[request_id] -= 1
+            if not self._unanswered[request_id]:
+                del self._unanswered[request_id]
             self._answered.set()
 
     async def _drain(self) -> None:
@@ -900,7 +909,7 @@ class StrictStdin:
         """Count a request handed on as unanswered; a cancelled one is never answered."""
         request_id = _id_of(message)
         if "method" in message and request_id is not None:
-            self._unanswered.add(request_id)
+            self._unanswered[request_id] += 1
         if message.get("method") == "notifications/cancelled":
             params = message.get("params")
             if isinstance(params, dict):
