@@ -418,6 +418,64 @@ def test_sessions_commit_synchronously_whatever_the_url_says(
     assert settings == ("on", "3s", store.schema, store.schema)  # type: ignore[attr-defined]
 
 
+def test_a_role_s_session_settings_do_not_reach_the_store(
+    make_store: StoreFactory, url: str
+) -> None:
+    """A role (or database) with its own client_encoding or lock_timeout, common advice
+    for migrations, changes nothing: the store's sessions speak UTF-8 (under LATIN1, a
+    result in Japanese failed in psycopg, and its whole batch was answered 500) and wait
+    for a row lock as long as the store timeout allows (a 20 ms lock_timeout turned
+    two instances' ordinary contention into 503s for every key in the waiting batch)."""
+    role = f"lk_role_{secrets.token_hex(4)}"
+    with admin(url) as conn:
+        conn.execute(f"CREATE ROLE {role} LOGIN SUPERUSER")
+        conn.execute(f"ALTER ROLE {role} SET client_encoding = 'LATIN1'")
+        conn.execute(f"ALTER ROLE {role} SET lock_timeout = '20ms'")
+    try:
+        as_role = urlunsplit(urlsplit(url)._replace(netloc=f"{role}@127.0.0.1:5432"))
+        store = make_store("postgres", url=as_role)
+
+        async def main() -> tuple[tuple[Any, ...], Any]:
+            async with opened(store), store._pool.connection() as conn:  # type: ignore[attr-defined]
+                cursor = await conn.execute(
+                    "SELECT current_user, current_setting('client_encoding'), "
+                    "current_setting('lock_timeout')"
+                )
+                settings = await cursor.fetchone()
+                key, owner = new_id(), new_id()
+                assert isinstance((await store.apply(acquire(key, owner))).outcome, Granted)
+                await store.apply(Complete(key, owner, '{"city":"東京"}'))
+                again = await store.apply(acquire(key))
+                assert settings is not None
+                return tuple(settings), again.outcome
+
+        settings, outcome = asyncio.run(main())
+        assert settings == (role, "UTF8", "0")
+        assert isinstance(outcome, CompletedOutcome)
+        assert outcome.record.result == '{"city":"東京"}'
+    finally:
+        with admin(url) as conn:
+            conn.execute(f"DROP OWNED BY {role}")
+            conn.execute(f"DROP ROLE {role}")
+
+
+def test_the_url_s_client_encoding_is_overruled(make_store: StoreFactory, url: str) -> None:
+    """``?client_encoding=latin1`` in the URL would make psycopg unable to send or read
+    what other instances store: the store speaks UTF-8 whatever the URL says."""
+    store = make_store("postgres", url=url_with(url, client_encoding="latin1"))
+
+    async def main() -> Any:
+        async with opened(store):
+            key, owner = new_id(), new_id()
+            await store.apply(acquire(key, owner))
+            await store.apply(Complete(key, owner, '"Grüße aus 東京"'))
+            return (await store.apply(acquire(key))).outcome
+
+    outcome = asyncio.run(main())
+    assert isinstance(outcome, CompletedOutcome)
+    assert outcome.record.result == '"Grüße aus 東京"'
+
+
 def test_without_a_clock_the_database_clock_decides(make_store: StoreFactory, url: str) -> None:
     """With no injected clock, ``now`` is the database server's clock_timestamp()."""
 

@@ -977,9 +977,13 @@ def _conninfo(url: str, timeout: float, schema: str | None, application_name: st
     """The connection string: the URL's parameters, with the store's session settings.
 
     Session settings travel in the startup packet (``options``), so they cost no
-    round trip and no connection can run without them. ``synchronous_commit=on``
-    comes last so that nothing in the URL can turn it off; the timeouts come first
-    so that the URL can override them.
+    round trip and no connection can run without them, and they win over the role's
+    and the database's (``ALTER ROLE ... SET``). ``synchronous_commit=on`` comes last
+    so that nothing in the URL can turn it off; the timeouts come first so that the
+    URL can override them (``lock_timeout=0``: a batch waits for a row lock another
+    instance's batch holds, within ``statement_timeout``, rather than fail at a role's
+    short one). The client encoding is UTF-8 whatever the URL, the role or
+    ``PGCLIENTENCODING`` say: results are stored and read back as UTF-8 text.
     """
     try:
         params: dict[str, Any] = conninfo_to_dict(url)
@@ -991,6 +995,7 @@ def _conninfo(url: str, timeout: float, schema: str | None, application_name: st
         f"-c statement_timeout={ms}",
         # A session frozen inside a transaction must not hold a key's row lock for long.
         f"-c idle_in_transaction_session_timeout={max(2 * ms, 5000)}",
+        "-c lock_timeout=0",
     ]
     given = params.get("options")
     if given:
@@ -999,6 +1004,7 @@ def _conninfo(url: str, timeout: float, schema: str | None, application_name: st
     if schema is not None:
         ours.append(f"-c search_path={schema}")
     params["options"] = " ".join(ours)
+    params["client_encoding"] = "UTF8"
     if application_name is not None:
         params["application_name"] = application_name
     params.setdefault("application_name", "leasekeeper")
