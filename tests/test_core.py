@@ -310,6 +310,8 @@ class TestResults:
         or an ideographic space hides a secret's name no better than a space does."""
         result = {"api\u00a0key": 1, "pass\tword": 2, "client\u3000secret": 3, "to\u2028ken": 4}
         assert json.loads(validation.encode_result(result)) == dict.fromkeys(result, "[redacted]")
+        plain = {"api key": 1, "private key": 2, "pass word": 3}  # the plain space itself
+        assert json.loads(validation.encode_result(plain)) == dict.fromkeys(plain, "[redacted]")
         assert json.loads(validation.encode_result({"a\u200bb": 1})) == {"a\u200bb": 1}
 
     def test_size_limit_is_on_the_compact_submitted_encoding(self) -> None:

@@ -224,6 +224,26 @@ class TestAcquire:
         assert body["lease_expires_at_timestamp"] == real_expiry_ms // 1000
         assert body["lease_expires_at_timestamp"] * 1000 < real_expiry_ms
 
+    def test_every_time_off_a_whole_second_rounds_down(
+        self, api: Api, ns: str, clock: FakeClock
+    ) -> None:
+        """Every *_at is its instant rounded down to the second, as its *_timestamp is:
+        absolute_expires_at in granted, held, completed and conflict answers, and
+        completed_at (the fake clock starts on a whole second: moved off it first)."""
+        clock.advance(0.7)
+        lease = granted(api.acquire(namespace=ns, key=KEY, fingerprint="a"))
+        day_later = "2026-09-06T10:00:00Z"
+        assert lease["absolute_expires_at"] == day_later
+        held = error(api.acquire(namespace=ns, key=KEY, fingerprint="a"), 409, "held")
+        assert held["absolute_expires_at"] == day_later
+        clock.advance(0.2)  # 10:00:00.9
+        token = lease["owner_token"]
+        done = api.complete(namespace=ns, key=KEY, owner_token=token, result=1).json()
+        assert done["completed_at"] == "2026-09-05T10:00:00Z"
+        assert done["absolute_expires_at"] == day_later
+        conflict = error(api.acquire(namespace=ns, key=KEY, fingerprint="b"), 409, "conflict")
+        assert conflict["absolute_expires_at"] == day_later
+
     def test_expired_lease_goes_to_a_new_owner(self, api: Api, ns: str, clock: FakeClock) -> None:
         """After expiry the next acquire is 201 with a higher fence in the same lifecycle."""
         first = granted(api.acquire(namespace=ns, key=KEY, ttl_seconds=5))
@@ -384,6 +404,16 @@ class TestReleaseAndComplete:
         fits = "x" * 32_766
         done = api.complete(namespace=ns, key=KEY, owner_token=lease["owner_token"], result=fits)
         assert done.status_code == 200
+
+    def test_result_size_counts_utf8_bytes_not_escapes(self, api: Api, ns: str) -> None:
+        """The limit is on compact UTF-8: 16,383 "é" (2 bytes each, 32,768 with the
+        quotes) fit, though written as \\u00e9 escapes they would be six times as long."""
+        lease = granted(api.acquire(namespace=ns, key=KEY))
+        token = lease["owner_token"]
+        one_more = api.complete(namespace=ns, key=KEY, owner_token=token, result="é" * 16_384)
+        error(one_more, 413, "too_large")
+        done = api.complete(namespace=ns, key=KEY, owner_token=token, result="é" * 16_383)
+        assert done.status_code == 200 and done.json()["result"] == "é" * 16_383
 
     def test_result_too_large_is_413_before_ownership_is_looked_at(self, api: Api, ns: str) -> None:
         """The size is checked before the store: a non-owner's big result is 413, not lost."""
