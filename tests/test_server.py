@@ -343,6 +343,30 @@ def test_cleanup_command_deletes_finished_lifecycles_once(tmp_path: Path) -> Non
     assert SqliteStore(db).fencing_counter() == fence_before
 
 
+def test_operator_commands_log_json_and_name_unknown_variables(tmp_path: Path) -> None:
+    """`cleanup` logs as the server does, JSON lines on stderr, and warns of a
+    LEASEKEEPER_* name no setting reads (by name: its value may be a secret), with the
+    setting it is closest to; it had gone unsaid that the store came from elsewhere."""
+    db = tmp_path / "ops.db"
+    _expired_records(db, 1)
+    env = {**os.environ, "LEASEKEEPER_STORE_URL": "sqlite:////secret/elsewhere.db"}
+    out = subprocess.run(
+        [sys.executable, "-m", "leasekeeper.cli", "cleanup", "--store", f"sqlite:///{db}"],
+        capture_output=True,
+        check=True,
+        timeout=60,
+        env=env,
+    )
+    lines = [json.loads(line) for line in out.stderr.splitlines()]
+    warned = [line for line in lines if line["level"] == "WARNING"]
+    assert [line["message"] for line in warned] == [
+        "LEASEKEEPER_STORE_URL is not a leasekeeper setting and is ignored "
+        "(did you mean LEASEKEEPER_STORE?)"
+    ]
+    assert b"elsewhere" not in out.stderr
+    assert json.loads(out.stdout) == {"ok": True, "deleted": 1}
+
+
 def _fence_command(db: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
     argv = [sys.executable, "-m", "leasekeeper.cli", "fence", "--store", f"sqlite:///{db}"]
     return subprocess.run([*argv, *args], capture_output=True, check=False, timeout=60)

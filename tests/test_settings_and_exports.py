@@ -11,6 +11,7 @@ import pytest
 
 import leasekeeper
 from leasekeeper import Settings, SettingsError
+from leasekeeper._settings import unknown_variables
 from leasekeeper.store import Durable, MemoryStore, SqliteStore, StoreURLError, open_store
 
 
@@ -48,9 +49,40 @@ def test_variables_are_read_and_flags_win() -> None:
 
 
 def test_an_empty_variable_gives_the_default() -> None:
-    """``LEASEKEEPER_PORT=`` (set, empty) is the same as unset, as the README says."""
+    """``LEASEKEEPER_PORT=`` (set, empty) is the same as unset, as the README says; so is
+    one of spaces alone (``LEASEKEEPER_HOST="  "`` had listened on every interface)."""
     names = ["LEASEKEEPER_STORE", "LEASEKEEPER_PORT", "LEASEKEEPER_LIFECYCLE_SECONDS"]
     assert Settings.from_env(dict.fromkeys(names, "")) == Settings.from_env({})
+    spaces = Settings.from_env(dict.fromkeys([*names, "LEASEKEEPER_HOST"], "  \t"))
+    assert spaces == Settings.from_env({}) and spaces.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("host", ["", "   "])
+def test_an_empty_host_flag_is_refused_not_every_interface(host: str) -> None:
+    """``--host ""`` would have uvicorn listen on every interface: refused, naming what to
+    write for that."""
+    with pytest.raises(SettingsError, match=r"LEASEKEEPER_HOST.*0\.0\.0\.0"):
+        Settings.from_env({}, host=host)
+
+
+def test_unknown_leasekeeper_variables_are_named_with_the_closest_setting() -> None:
+    """A misspelled LEASEKEEPER_* name is reported (never its value), with the setting it
+    is closest to; the client's variables and the tests' are not unknown."""
+    environ = {
+        "LEASEKEEPER_STORE_URL": "sqlite:////elsewhere.db",
+        "LEASEKEEPER_CLEANUP_BATCHES": "10",
+        "LEASEKEEPER_WHATEVER": "x",
+        "LEASEKEEPER_URL": "http://127.0.0.1:8787",
+        "LEASEKEEPER_NAMESPACE": "ns_x",
+        "LEASEKEEPER_TEST_POSTGRES_URL": "postgresql://",
+        "LEASEKEEPER_PORT": "8788",
+        "PATH": "/bin",
+    }
+    assert unknown_variables(environ) == [
+        ("LEASEKEEPER_CLEANUP_BATCHES", "LEASEKEEPER_CLEANUP_BATCH"),
+        ("LEASEKEEPER_STORE_URL", "LEASEKEEPER_STORE"),
+        ("LEASEKEEPER_WHATEVER", None),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -72,6 +104,8 @@ def test_an_empty_variable_gives_the_default() -> None:
         ("LEASEKEEPER_POSTGRES_POOL_SIZE", "-3"),
         ("LEASEKEEPER_POSTGRES_POOL_SIZE", "2.5"),
         ("LEASEKEEPER_POSTGRES_POOL_SIZE", "ten"),
+        ("LEASEKEEPER_CLEANUP_BATCH", "99999999999999999999"),  # every cleanup failed
+        ("LEASEKEEPER_CLEANUP_BATCH", "100001"),
     ],
 )
 def test_bad_values_name_the_variable(name: str, value: str) -> None:
@@ -81,11 +115,21 @@ def test_bad_values_name_the_variable(name: str, value: str) -> None:
 
 
 def test_the_largest_lifecycle_and_store_timeout_are_accepted() -> None:
-    """10 years and 32767 s: the bounds themselves still start."""
+    """10 years, 32767 s and 100,000 records a cleanup step: the bounds themselves start."""
     settings = Settings.from_env(
-        {"LEASEKEEPER_LIFECYCLE_SECONDS": "315360000", "LEASEKEEPER_STORE_TIMEOUT_SECONDS": "32767"}
+        {
+            "LEASEKEEPER_LIFECYCLE_SECONDS": "315360000",
+            "LEASEKEEPER_STORE_TIMEOUT_SECONDS": "32767",
+            "LEASEKEEPER_CLEANUP_BATCH": "100000",
+        }
     )
     assert (settings.lifecycle_seconds, settings.store_timeout_seconds) == (315_360_000, 32_767)
+    assert settings.cleanup_batch == 100_000
+
+
+def test_the_log_level_refusal_names_every_level() -> None:
+    with pytest.raises(SettingsError, match="DEBUG, INFO, WARNING, ERROR or CRITICAL"):
+        Settings.from_env({"LEASEKEEPER_LOG_LEVEL": "LOUD"})
 
 
 def test_store_by_url_scheme(tmp_path: object) -> None:

@@ -33,13 +33,14 @@ LEASEKEEPER_LOG_LEVEL                  logging level                INFO
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["Settings", "SettingsError"]
+__all__ = ["Settings", "SettingsError", "unknown_variables"]
 
 _PREFIX = "LEASEKEEPER_"
 T = TypeVar("T")
@@ -49,6 +50,20 @@ T = TypeVar("T")
 MAX_LIFECYCLE_SECONDS = 315_360_000
 #: The longest store timeout: Linux's largest TCP keepalive idle time, which it sets.
 MAX_STORE_TIMEOUT_SECONDS = 32_767
+#: The most records one cleanup step deletes: far more than a step needs, far below
+#: the 64-bit integers SQLite and PostgreSQL bind (a bigger one failed every cleanup).
+MAX_CLEANUP_BATCH = 100_000
+#: LEASEKEEPER_* names that are not server settings: the client's, and the test suite's.
+_NOT_SETTINGS = frozenset(
+    {
+        "LEASEKEEPER_URL",
+        "LEASEKEEPER_NAMESPACE",
+        "LEASEKEEPER_OWNER_TOKEN",
+        "LEASEKEEPER_FENCING_TOKEN",
+        "LEASEKEEPER_TEST_POSTGRES_URL",
+        "LEASEKEEPER_SOAK",
+    }
+)
 
 
 class SettingsError(ValueError):
@@ -88,7 +103,7 @@ class Settings:
         for field in dataclasses.fields(cls):
             name = _PREFIX + field.name.upper()
             raw = env.get(name)
-            if raw is None or raw == "":
+            if raw is None or not raw.strip():  # set but empty (or spaces): the default
                 continue
             values[field.name] = _cast(name, raw, _CASTS[field.name])
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -135,10 +150,19 @@ class Settings:
             raise SettingsError(
                 f"LEASEKEEPER_STORE_TIMEOUT_SECONDS must be at most {MAX_STORE_TIMEOUT_SECONDS}"
             )
+        if self.cleanup_batch > MAX_CLEANUP_BATCH:
+            raise SettingsError(f"LEASEKEEPER_CLEANUP_BATCH must be at most {MAX_CLEANUP_BATCH}")
+        if not self.host.strip():  # uvicorn would listen on every interface
+            raise SettingsError(
+                "LEASEKEEPER_HOST must be an address to listen on "
+                "(127.0.0.1 by default; 0.0.0.0 for every interface)"
+            )
         if not 0 < self.port < 65536:
             raise SettingsError("LEASEKEEPER_PORT must be a TCP port from 1 to 65535")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-            raise SettingsError("LEASEKEEPER_LOG_LEVEL must be DEBUG, INFO, WARNING or ERROR")
+            raise SettingsError(
+                "LEASEKEEPER_LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL"
+            )
 
 
 def _cast(name: str, raw: str, cast: Callable[[str], T]) -> T:
@@ -153,6 +177,19 @@ def _cast(name: str, raw: str, cast: Callable[[str], T]) -> T:
     if isinstance(value, float) and not math.isfinite(value):
         raise SettingsError(f"{name} must be a finite number")
     return value
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """The ``LEASEKEEPER_*`` names in ``environ`` (default ``os.environ``) that nothing
+    reads, a misspelling say, sorted, each with the setting's name it is closest to (or
+    None): the server warns of them at start, by name alone (a value may be a secret)."""
+    env = os.environ if environ is None else environ
+    known = {_PREFIX + field.name.upper() for field in dataclasses.fields(Settings)}
+    return [
+        (name, next(iter(difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.8)), None))
+        for name in sorted(env)
+        if name.startswith(_PREFIX) and name not in known and name not in _NOT_SETTINGS
+    ]
 
 
 _CASTS: dict[str, Callable[[str], Any]] = {

@@ -17,7 +17,7 @@ import orjson
 from leasekeeper._errors import LeaseError
 from leasekeeper._logging import configure_logging
 from leasekeeper._service import LeaseService
-from leasekeeper._settings import Settings, SettingsError
+from leasekeeper._settings import Settings, SettingsError, unknown_variables
 from leasekeeper.client._cli import CLIENT_COMMANDS
 from leasekeeper.http._protocol import guard_protocol
 from leasekeeper.store import (
@@ -38,10 +38,17 @@ T = TypeVar("T")
 
 
 def _settings(**overrides: Any) -> Settings:
+    """The settings of a server command (``overrides``: its flags), its logging set up as
+    they say, and a WARNING for each ``LEASEKEEPER_*`` name that no setting reads."""
     try:
-        return Settings.from_env(os.environ, **overrides)
+        settings = Settings.from_env(os.environ, **overrides)
     except SettingsError as exc:
         raise click.UsageError(str(exc)) from None
+    configure_logging(settings.log_level)
+    for name, closest in unknown_variables():
+        hint = f" (did you mean {closest}?)" if closest else ""
+        log.warning("%s is not a leasekeeper setting and is ignored%s", name, hint)
+    return settings
 
 
 def _service(settings: Settings) -> LeaseService:
@@ -95,7 +102,6 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
     from leasekeeper.mcp import quiet_sdk_logs
 
     settings = _settings(host=host, port=port, store=store)
-    configure_logging(settings.log_level)
     service = _service(settings)
     quiet_sdk_logs()
     app = serve_app(service, settings)
@@ -223,7 +229,6 @@ def mcp_command(store: str | None) -> None:
     from leasekeeper.mcp import quiet_sdk_logs, serve_stdio
 
     settings = _settings(store=store)
-    configure_logging(settings.log_level)
     quiet_sdk_logs()
     if sys.stdin is None or sys.stdout is None:  # started with fd 0 or 1 closed
         log.error("MCP over stdio needs stdin and stdout; one of them is closed")
