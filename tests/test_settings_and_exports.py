@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -149,6 +150,43 @@ def test_store_by_url_scheme(tmp_path: object) -> None:
     assert absolute.where == "at /var/lib/lk/abs.db" and "hunter2" not in postgres.where
 
 
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("sqlite://data/x.db", "no host"),  # had opened ./x.db: a new store, tokens from 1
+        ("sqlite://localhost/x.db", "no host"),
+        ("sqlite:///x.db?mode=ro", "no ?query"),  # had been dropped without a word
+        ("sqlite:///x.db#backup", "no ?query"),
+        ("sqlite:///x%00.db", "NUL"),  # had hung the start for ever
+        ("memory:///x.db", "memory:// alone"),
+        ("memory://host", "memory:// alone"),
+    ],
+)
+def test_store_urls_that_would_open_another_store_are_refused(url: str, said: str) -> None:
+    """A store URL that does not mean what it seems to (a host that would be dropped, a
+    query that would be ignored, a path a memory store has not) is refused, saying so."""
+    with pytest.raises(StoreURLError, match=re.escape(said)):
+        open_store(url)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://postgres:Xy@Secret9@127.0.0.1/test",  # libpq: password Xy, host Secret9@...
+        "postgresql://postgres:ab/cd@127.0.0.1/test",
+        "postgresql://postgres:ab#cd@127.0.0.1/test",
+    ],
+)
+def test_postgres_urls_with_an_unencoded_password_character_are_refused(url: str) -> None:
+    """A password holding @, / or # unencoded splits the URL elsewhere than meant (a part
+    of the password became the host, and was logged at each failed connection): refused,
+    asking for percent-encoding, without repeating the URL."""
+    pytest.importorskip("psycopg")
+    with pytest.raises(StoreURLError, match="percent-encode") as refused:
+        open_store(url)
+    assert "Secret9" not in str(refused.value) and "cd" not in str(refused.value)
+
+
 def test_stores_without_a_pool_ignore_the_pool_size() -> None:
     """The pool size is PostgreSQL's; SQLite and memory stores are built the same with it."""
     assert isinstance(open_store("memory://", pool_size=1), MemoryStore)
@@ -221,3 +259,20 @@ def test_a_bad_port_flag_is_named_as_the_flag(port: str) -> None:
     assert done.exit_code == 2
     assert "Invalid value for '--port'" in done.output
     assert "LEASEKEEPER_PORT" not in done.output
+
+
+def test_a_sqlite_store_whose_path_cannot_be_opened_says_so_rather_than_hang(
+    tmp_path: Path,
+) -> None:
+    """A path SQLite cannot take (a NUL in it) is a ServiceUnavailable from open(): the
+    thread that opens the file had died with it, and open() waited for ever."""
+    import asyncio
+
+    from leasekeeper import ServiceUnavailable
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "x\x00y.db", timeout_seconds=1)
+        with pytest.raises(ServiceUnavailable, match="Cannot open the SQLite store"):
+            await asyncio.wait_for(store.open(), 10)
+
+    asyncio.run(main())

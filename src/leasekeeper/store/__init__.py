@@ -59,22 +59,40 @@ def open_store(
     ``pool_size`` is the most connections a PostgreSQL store opens (``None``: its
     default). SQLite and memory stores have no pool and ignore it.
     """
-    scheme = url.partition("://")[0]
+    scheme, _, rest = url.partition("://")
     scheme = scheme.lower()
     if scheme == "sqlite":
-        path = unquote(urlsplit(url).path)
-        if not path.startswith("/") or len(path) < 2:
-            raise StoreURLError(
-                "SQLite store URLs look like sqlite:///relative/path.db or sqlite:////absolute.db"
-            )
-        return SqliteStore(path[1:], clock, timeout_seconds=timeout_seconds)
+        return SqliteStore(_sqlite_path(url), clock, timeout_seconds=timeout_seconds)
     if scheme == "memory":
+        if rest:  # a path or a host would suggest a file that is not written
+            raise StoreURLError("a memory store's URL is memory:// alone (nothing is kept)")
         return MemoryStore(clock)
     if scheme in ("postgresql", "postgres"):
         return _postgres_store(url, clock, timeout_seconds, pool_size)
     raise StoreURLError(
         "unknown store URL scheme; use sqlite:///path.db, postgresql://… or memory://"
     )
+
+
+def _sqlite_path(url: str) -> str:
+    """The file a ``sqlite:`` URL names; ``StoreURLError`` for one that would open another.
+
+    ``sqlite://data/x.db`` names a host (``data``) that would be dropped, opening
+    ``./x.db``: a new, empty store whose fencing tokens start again at 1. A query or a
+    fragment would be ignored, and a NUL cannot be in a path.
+    """
+    shape = "sqlite:///relative/path.db or sqlite:////absolute.db"
+    parts = urlsplit(url)
+    if parts.netloc:
+        raise StoreURLError(f"a SQLite store URL has no host; write {shape}")
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        raise StoreURLError(f"a SQLite store URL takes no ?query or #fragment; write {shape}")
+    path = unquote(parts.path)
+    if not path.startswith("/") or len(path) < 2:
+        raise StoreURLError(f"SQLite store URLs look like {shape}")
+    if "\x00" in path:
+        raise StoreURLError("a SQLite store path cannot hold a NUL character (%00)")
+    return path[1:]
 
 
 def _postgres_store(
@@ -90,8 +108,26 @@ def _postgres_store(
         ) from exc
     # libpq knows the scheme only in lower case.
     url = "postgresql" + url[url.index("://") :]
+    _check_userinfo(url)
     max_size = DEFAULT_POOL_SIZE if pool_size is None else pool_size
     try:
         return PostgresStore(url, clock=clock, timeout_seconds=timeout_seconds, max_size=max_size)
     except ValueError as exc:
         raise StoreURLError(f"PostgreSQL store: {exc}") from None
+
+
+def _check_userinfo(url: str) -> None:
+    """``StoreURLError`` for a PostgreSQL URL whose password (or user) holds ``@``, ``/``
+    or ``#`` unencoded: libpq would split it elsewhere than meant (``user:a@b@host``:
+    password ``a``, host ``b@host``), and a part of the password would be taken for
+    the host, the port or the database, and logged with every failed connection.
+    The message does not repeat the URL."""
+    authority_and_on = url.partition("://")[2].partition("?")[0]
+    at = authority_and_on.find("@")
+    if at == -1:
+        return
+    if authority_and_on.count("@") > 1 or any(c in authority_and_on[:at] for c in "/#"):
+        raise StoreURLError(
+            "PostgreSQL store: the user name or password holds @, / or # as it is; "
+            "percent-encode them (%40, %2F, %23)"
+        )

@@ -536,7 +536,7 @@ class SqliteStore:
         """The thread: opens the connection, then COMMITs and runs whole batches."""
         try:
             conn = self._connect()
-        except (sqlite3.Error, OSError, RuntimeError) as exc:
+        except (sqlite3.Error, OSError, RuntimeError, ValueError) as exc:  # ValueError: a NUL
             error = ServiceUnavailable(f"Cannot open the SQLite store at {self.path}: {exc}")
             loop.call_soon_threadsafe(settle, ready, error)
             return
