@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -56,6 +57,24 @@ def test_a_client_cannot_choose_its_request_id(api: Api) -> None:
     response = api.post("/lease/namespace", {}, headers={"x-request-id": "ns_secret"})
     assert response.headers["x-request-id"] != "ns_secret"
     assert response.headers.get_list("x-request-id") == [response.headers["x-request-id"]]
+
+
+def test_a_log_line_with_undecodable_text_is_still_one_json_line(
+    log_lines: io.StringIO,
+) -> None:
+    """A path from bytes that are not UTF-8 (os.fsdecode keeps them as surrogates) in a
+    message or a traceback: still one JSON line, the bytes escaped, not a "Logging
+    error" traceback in place of the line that says what failed."""
+    path = os.fsdecode(b"/srv/nodir\xe9/x.db")
+    log = logging.getLogger("leasekeeper.test")
+    try:
+        raise OSError(f"cannot open {path}")
+    except OSError:
+        log.exception("Cannot open the SQLite store at %s", path)
+    (line,) = log_lines.getvalue().splitlines()
+    entry = json.loads(line)
+    assert entry["message"] == "Cannot open the SQLite store at /srv/nodir\\udce9/x.db"
+    assert "cannot open /srv/nodir\\udce9/x.db" in entry["exception"]
 
 
 def test_log_lines_carry_the_request_id(api: Api, ns: str, log_lines: io.StringIO) -> None:

@@ -40,7 +40,15 @@ class JsonFormatter(logging.Formatter):
             entry["request_id"] = request_id
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
-        return orjson.dumps(entry).decode()
+        try:
+            return orjson.dumps(entry).decode()
+        except TypeError:  # a lone surrogate: bytes that were not UTF-8 (a path, say)
+            return orjson.dumps({k: _escaped(v) for k, v in entry.items()}).decode()
+
+
+def _escaped(text: str) -> str:
+    """``text`` with what UTF-8 cannot hold (lone surrogates) written as ``\\udcXX``."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def configure_logging(level: str = "INFO") -> None:
