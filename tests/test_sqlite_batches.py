@@ -568,6 +568,67 @@ def test_a_failed_fsync_refuses_its_batches_and_everything_after(
     assert [r.levelname for r in caplog.records if "fsync" in r.getMessage()] == ["CRITICAL"]
 
 
+def _break_files(path: Path, how: str) -> None:
+    """Delete the store's database or -wal file, or put another database in its place."""
+    if how == "database deleted":
+        path.unlink()
+    elif how == "wal deleted":
+        Path(f"{path}-wal").unlink()
+    else:
+        other = path.with_name("other.db")
+        sqlite3.connect(other).close()
+        other.replace(path)
+
+
+@pytest.mark.parametrize("how", ["database deleted", "wal deleted", "database replaced"])
+def test_a_store_whose_files_were_deleted_or_replaced_refuses_everything(
+    tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Writes to a store file deleted or replaced under the server would not survive it,
+    and after a restart the fencing counter would start again: every request and the
+    readiness check get 503 from the next batch on (or the next check, when idle), with
+    one CRITICAL saying what to do, until restarted. They had gone on being granted."""
+    path = tmp_path / "gone.db"
+
+    async def main() -> None:
+        store = SqliteStore(path, FakeClock())
+        await store.open()
+        first = await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        assert isinstance(first.outcome, Granted)
+        _break_files(path, how)
+        with pytest.raises(ServiceUnavailable):
+            await store.ping()  # idle: found by the readiness check
+        with pytest.raises(ServiceUnavailable, match="durable"):
+            await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        await store.close()
+
+    with caplog.at_level(logging.CRITICAL, logger="leasekeeper.store.sqlite"):
+        asyncio.run(main())
+    critical = [r.getMessage() for r in caplog.records if r.levelname == "CRITICAL"]
+    assert len(critical) == 1 and "deleted or replaced" in critical[0], critical
+    assert "fence --raise-to" in critical[0]
+
+
+@pytest.mark.parametrize("how", ["database deleted", "wal deleted"])
+def test_a_batch_committed_into_deleted_files_is_not_answered_as_done(
+    tmp_path: Path, how: str
+) -> None:
+    """The check runs before a batch is answered: one committed after the file went is
+    refused (503), not granted."""
+    path = tmp_path / "gone.db"
+
+    async def main() -> None:
+        store = SqliteStore(path, FakeClock())
+        await store.open()
+        await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        _break_files(path, how)
+        with pytest.raises(ServiceUnavailable, match="durable"):
+            await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        await store.close()
+
+    asyncio.run(main())
+
+
 def test_a_catch_up_runs_on_the_thread_between_two_batches(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -268,6 +268,8 @@ class SqliteStore:
         self._failed: Exception | None = None
         #: The WAL file, opened by the thread to fsync it; the checkpointer likewise.
         self._wal_fd = -1
+        #: The database and WAL files as opened: (path, (device, inode)) each (``_moved``).
+        self._files: tuple[tuple[str, tuple[int, int]], ...] = ()
         self._checkpointer: _Checkpointer | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -411,6 +413,8 @@ class SqliteStore:
         self._refusals.check()
 
         def run(conn: sqlite3.Connection) -> None:
+            if self._refuse_moved():
+                raise _not_durable()
             conn.execute("SELECT 1").fetchone()
 
         await self._submit(None, run)
@@ -590,7 +594,7 @@ class SqliteStore:
     def _durable(self, results: _Results) -> _Results:
         """On the thread: fsync the WAL, so that ``results`` may be answered; if it fails,
         they (and every later call: ``_failed``) are refused instead."""
-        if self._failed is None:
+        if not self._refuse_moved():  # answered only from the files that will be opened again
             try:
                 self._sync_wal()
                 return results
@@ -651,11 +655,55 @@ class SqliteStore:
         # starts over, and both files around each checkpoint, as FULL does.
         conn.execute("PRAGMA synchronous = NORMAL")
         try:  # the WAL exists from the first read in WAL mode on, for as long as we are open
-            self._wal_fd = os.open(f"{self.path.resolve()}-wal", os.O_RDONLY)
+            database = str(self.path.resolve())
+            self._wal_fd = os.open(f"{database}-wal", os.O_RDONLY)
+            self._files = tuple(
+                (name, (found.st_dev, found.st_ino))
+                for name, found in (
+                    (database, os.stat(database)),
+                    (f"{database}-wal", os.fstat(self._wal_fd)),
+                )
+            )
         except OSError:
             conn.close()
             raise
         return conn
+
+    def _moved(self) -> str | None:
+        """On the thread: what became of the database or WAL file since they were opened
+        (deleted, replaced), or None. Writes to a file no longer at its path are lost at
+        the next start, and the fencing counter with them."""
+        try:
+            if os.fstat(self._wal_fd).st_nlink == 0:
+                return "the -wal file was deleted"
+            for name, identity in self._files:
+                try:
+                    found = os.stat(name)
+                except FileNotFoundError:
+                    return f"{name} was deleted"
+                if (found.st_dev, found.st_ino) != identity:
+                    return f"{name} was replaced"
+        except OSError as exc:  # the directory made unreadable, say: nothing can be proved
+            return f"the store's files cannot be looked at ({exc.strerror})"
+        return None
+
+    def _refuse_moved(self) -> bool:
+        """On the thread: if the files were deleted or replaced, refuse everything from
+        now on (``_failed``, as after a failed fsync) and say so once; whether they were."""
+        if self._failed is not None:
+            return True
+        moved = self._moved()
+        if moved is None:
+            return False
+        self._failed = RuntimeError(moved)
+        log.critical(
+            "the SQLite store's files were deleted or replaced while it was open (%s): "
+            "the lease store refuses every request until leasekeeper is restarted. Put the "
+            "file back, or before restarting raise the fencing counter above every token "
+            "handed out (leasekeeper fence --raise-to): a new file starts it again",
+            moved,
+        )
+        return True
 
     def _run_batch(self, conn: sqlite3.Connection, batch: list[_Op]) -> _Results:
         """On the thread: one whole transaction, waiting up to the timeout for the lock."""
