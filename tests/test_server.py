@@ -476,6 +476,28 @@ def test_fence_refuses_a_damaged_sqlite_store(tmp_path: Path) -> None:
     assert db.read_bytes() == before
 
 
+@pytest.mark.parametrize("how", ["truncated", "first page damaged"])
+def test_fence_calls_a_store_it_cannot_even_look_into_damaged(tmp_path: Path, how: str) -> None:
+    """A store whose first page (the table list) is damaged, or which was cut short (a
+    copy that stopped half-way): damaged, restore it, as for damage further in, not a
+    bare "database disk image is malformed" (nor "no store")."""
+    db = tmp_path / "restored.db"
+    _expired_records(db, 400)
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+    whole = db.read_bytes()
+    if how == "truncated":
+        db.write_bytes(whole[: 2 * page])
+    else:
+        db.write_bytes(whole[:200] + b"\xab" * (page - 200) + whole[page:])
+    for argv in (["fence"], ["fence", "--raise-to", "100"]):
+        done = CliRunner().invoke(main, [*argv, "--store", f"sqlite:///{db}"])
+        assert done.exit_code == 1, done.output
+        assert "fence refused: the SQLite store is damaged" in done.output
+        assert "restore it from a backup" in done.output
+
+
 def test_fence_on_a_sound_store_it_cannot_check_does_not_call_it_damaged(tmp_path: Path) -> None:
     """A sound store in a directory that cannot be written (a read-only account: SQLite
     cannot make the ``-shm`` a reader of a WAL store needs) is not "damaged, restore it

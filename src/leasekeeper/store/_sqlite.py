@@ -356,8 +356,9 @@ class SqliteStore:
         """Whether the store is there already (a file holding leasekeeper's tables), read
         without creating or changing anything: for the operator commands that must not
         make a new, empty store (``leasekeeper fence``) in a mistyped path, an empty
-        file or another program's database. A file SQLite cannot read for another reason
-        (damaged, unreadable) raises ``sqlite3.Error`` rather than pass for "no store"."""
+        file or another program's database. A database too damaged to list its tables
+        is there (``damage()`` says how); a file SQLite cannot read for another reason
+        (unreadable) raises ``sqlite3.Error`` rather than pass for "no store"."""
         if not self.path.is_file():
             return False
         try:
@@ -369,6 +370,8 @@ class SqliteStore:
         except sqlite3.DatabaseError as exc:
             if _primary_code(exc) == sqlite3.SQLITE_NOTADB:
                 return False  # not a database at all: no store of ours
+            if _primary_code(exc) == sqlite3.SQLITE_CORRUPT:
+                return True  # a damaged one: whose it was cannot be read; not "none here"
             raise
         return version is not None
 
