@@ -169,6 +169,17 @@ def test_store_urls_that_would_open_another_store_are_refused(url: str, said: st
         open_store(url)
 
 
+def test_a_postgres_url_with_a_parameter_libpq_does_not_know_names_it() -> None:
+    """``?schema=`` (a common guess) is refused naming the parameter and how a schema is
+    chosen; the rest of libpq's words, which may quote the URL, are not repeated."""
+    pytest.importorskip("psycopg")
+    with pytest.raises(StoreURLError) as refused:
+        open_store("postgresql://postgres:hunter2@127.0.0.1/test?schema=leases")
+    message = str(refused.value)
+    assert "'schema'" in message and "options=-csearch_path%3D" in message
+    assert "hunter2" not in message and "leases" not in message
+
+
 @pytest.mark.parametrize(
     "url",
     [

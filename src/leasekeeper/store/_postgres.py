@@ -973,6 +973,10 @@ def _elapsed_ms() -> int:
     return elapsed_ns() // 1_000_000
 
 
+#: libpq's refusal of a query parameter it does not know: the name is no secret.
+_UNKNOWN_PARAMETER = re.compile(r'invalid URI query parameter: "([A-Za-z0-9_]{1,64})"')
+
+
 def _conninfo(url: str, timeout: float, schema: str | None, application_name: str | None) -> str:
     """The connection string: the URL's parameters, with the store's session settings.
 
@@ -987,8 +991,15 @@ def _conninfo(url: str, timeout: float, schema: str | None, application_name: st
     """
     try:
         params: dict[str, Any] = conninfo_to_dict(url)
-    except psycopg.ProgrammingError:
-        # The URL may hold a password: never repeat it.
+    except psycopg.ProgrammingError as exc:
+        # The URL may hold a password: never repeat it, nor libpq's words about it, but
+        # the name of a query parameter libpq does not know (``?schema=``, say).
+        unknown = _UNKNOWN_PARAMETER.match(str(exc))
+        if unknown:
+            raise ValueError(
+                f"malformed PostgreSQL URL: libpq knows no parameter {unknown[1]!r} "
+                "(a schema is chosen with ?options=-csearch_path%3Dname)"
+            ) from None
         raise ValueError("malformed PostgreSQL URL") from None
     ms = math.ceil(timeout * 1000)
     ours = [
