@@ -108,26 +108,8 @@ def _postgres_store(
         ) from exc
     # libpq knows the scheme only in lower case.
     url = "postgresql" + url[url.index("://") :]
-    _check_userinfo(url)
     max_size = DEFAULT_POOL_SIZE if pool_size is None else pool_size
     try:
         return PostgresStore(url, clock=clock, timeout_seconds=timeout_seconds, max_size=max_size)
     except ValueError as exc:
         raise StoreURLError(f"PostgreSQL store: {exc}") from None
-
-
-def _check_userinfo(url: str) -> None:
-    """``StoreURLError`` for a PostgreSQL URL whose password (or user) holds ``@``, ``/``
-    or ``#`` unencoded: libpq would split it elsewhere than meant (``user:a@b@host``:
-    password ``a``, host ``b@host``), and a part of the password would be taken for
-    the host, the port or the database, and logged with every failed connection.
-    The message does not repeat the URL."""
-    authority_and_on = url.partition("://")[2].partition("?")[0]
-    at = authority_and_on.find("@")
-    if at == -1:
-        return
-    if authority_and_on.count("@") > 1 or any(c in authority_and_on[:at] for c in "/#"):
-        raise StoreURLError(
-            "PostgreSQL store: the user name or password holds @, / or # as it is; "
-            "percent-encode them (%40, %2F, %23)"
-        )

@@ -977,6 +977,23 @@ def _elapsed_ms() -> int:
 _UNKNOWN_PARAMETER = re.compile(r'invalid URI query parameter: "([A-Za-z0-9_]{1,64})"')
 
 
+def _check_userinfo(url: str) -> None:
+    """``ValueError`` for a URL whose password (or user) holds ``@``, ``/`` or ``#``
+    unencoded: libpq would split it elsewhere than meant (``user:a@b@host``: password
+    ``a``, host ``b@host``), and a part of the password would be taken for the host,
+    the port or the database, and logged with every failed connection. The message
+    does not repeat the URL."""
+    authority_and_on = url.partition("://")[2].partition("?")[0]
+    at = authority_and_on.find("@")
+    if at == -1:
+        return
+    if authority_and_on.count("@") > 1 or any(c in authority_and_on[:at] for c in "/#"):
+        raise ValueError(
+            "the user name or password holds @, / or # as it is; "
+            "percent-encode them (%40, %2F, %23)"
+        )
+
+
 def _conninfo(url: str, timeout: float, schema: str | None, application_name: str | None) -> str:
     """The connection string: the URL's parameters, with the store's session settings.
 
@@ -989,6 +1006,7 @@ def _conninfo(url: str, timeout: float, schema: str | None, application_name: st
     short one). The client encoding is UTF-8 whatever the URL, the role or
     ``PGCLIENTENCODING`` say: results are stored and read back as UTF-8 text.
     """
+    _check_userinfo(url)
     try:
         params: dict[str, Any] = conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:

@@ -368,9 +368,10 @@ class SqliteStore:
                     return False
                 version = conn.execute(_READ_VERSION).fetchone()
         except sqlite3.DatabaseError as exc:
-            if _primary_code(exc) == sqlite3.SQLITE_NOTADB:
+            code = _primary_code(exc)
+            if code == sqlite3.SQLITE_NOTADB:
                 return False  # not a database at all: no store of ours
-            if _primary_code(exc) == sqlite3.SQLITE_CORRUPT:
+            if code == sqlite3.SQLITE_CORRUPT:
                 return True  # a damaged one: whose it was cannot be read; not "none here"
             raise
         return version is not None
