@@ -330,6 +330,47 @@ class TestResults:
         with pytest.raises(PayloadTooLarge):
             validation.encode_result({"password": "x" * 40_000})
 
+    def test_objects_in_a_tuple_are_redacted_as_in_a_list(self) -> None:
+        """A program calling ``LeaseService`` directly may pass a tuple, which is stored as
+        a JSON array: the objects in it are redacted like those in a list (their secrets
+        were stored as sent)."""
+        result = ({"password": "hunter2"}, {"a": ({"api_key": "sk_live"}, 1)})
+        stored = validation.encode_result(result)
+        assert json.loads(stored) == [
+            {"password": "[redacted]"},
+            {"a": [{"api_key": "[redacted]"}, 1]},
+        ]
+        assert "hunter2" not in stored and "sk_live" not in stored
+
+    @pytest.mark.parametrize(
+        "result",
+        [
+            float("nan"),
+            {"a": [float("-inf")]},
+            "a\ud800",
+            {"\udfff": 1},
+            {"a": {1, 2}},
+            b"bytes",
+            {1: "x"},  # json.dumps would write {"1":"x"}; {1: .., "1": ..} twice "1"
+            {"a": [{None: 1}]},
+            pytest.param(10**5000, id="an-integer-of-5001-digits"),
+        ],
+    )
+    def test_a_value_json_cannot_carry_is_invalid(self, result: Any) -> None:
+        """What no JSON body can hold, a program calling ``LeaseService`` directly can
+        pass: it is 400 invalid, as over HTTP, not a TypeError, ValueError or
+        AttributeError from inside the service (a 500 or a traceback)."""
+        with pytest.raises(InvalidRequest) as refused:
+            validation.encode_result(result)
+        assert refused.value.error.startswith("Invalid result: must be a JSON value")
+
+    def test_a_result_that_holds_itself_is_invalid(self) -> None:
+        """A cycle (possible only in Python) is invalid too."""
+        cycle: list[Any] = []
+        cycle.append(cycle)
+        with pytest.raises(InvalidRequest, match="Invalid result"):
+            validation.encode_result({"a": cycle})
+
     def test_results_keep_order_and_big_integers(self) -> None:
         """Key order, big integers and NUL characters survive encoding."""
         text = validation.encode_result({"b": 2**70, "a": "\u0000", "c": [1.5, None]})

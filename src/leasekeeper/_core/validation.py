@@ -254,26 +254,43 @@ def check_bare_key(key: str) -> None:
         )
 
 
+#: What ``encode_result`` says of a value no JSON can carry.
+_NOT_A_JSON_VALUE = (
+    "Invalid result: must be a JSON value (objects with string field names, arrays, "
+    "strings without lone surrogates, finite numbers, true, false or null)"
+)
+
+
 def encode_result(result: Any) -> str:
     """The result as stored: size-checked, redacted, compact JSON text.
 
     The 32,768-byte limit applies to the compact UTF-8 encoding of the result
-    as submitted, before redaction.
+    as submitted, before redaction. A value that no JSON body can hold (NaN, a lone
+    surrogate, a set, a non-string field name, a cycle), which only a program calling
+    ``LeaseService`` directly can pass, is ``InvalidRequest``; a tuple is an array.
     """
-    submitted = _compact(result)
-    if len(submitted.encode("utf-8")) > MAX_RESULT_BYTES:
-        raise PayloadTooLarge(
-            f"Result is too large: its compact JSON encoding must be at most "
-            f"{MAX_RESULT_BYTES} bytes"
-        )
-    return _compact(redact(result))
+    try:
+        submitted = _compact(result).encode("utf-8")
+        if len(submitted) > MAX_RESULT_BYTES:
+            raise PayloadTooLarge(
+                f"Result is too large: its compact JSON encoding must be at most "
+                f"{MAX_RESULT_BYTES} bytes"
+            )
+        return _compact(redact(result))
+    except (TypeError, ValueError, RecursionError):
+        # json.dumps: a type JSON lacks, NaN, a cycle, an integer past Python's digit
+        # limit; encode: a lone surrogate; either: nesting past the recursion limit.
+        raise InvalidRequest(_NOT_A_JSON_VALUE) from None
 
 
 def _compact(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
-def _secret_name(name: str) -> bool:
+def _secret_name(name: object) -> bool:
+    if not isinstance(name, str):
+        # json.dumps would write 1 as "1" (beside a "1" of the caller's, a repeated name).
+        raise InvalidRequest(_NOT_A_JSON_VALUE)
     folded = name.lower().translate(_NAME_NOISE)
     return any(word in folded for word in _SECRET_WORDS)
 
@@ -286,6 +303,6 @@ def redact(value: Any) -> Any:
             name: _REDACTED if _secret_name(name) else redact(child)
             for name, child in value.items()
         }
-    if isinstance(value, list):
+    if isinstance(value, list | tuple):  # json.dumps writes a tuple as an array
         return [redact(child) for child in value]
     return value
