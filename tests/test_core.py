@@ -314,6 +314,14 @@ class TestResults:
         assert json.loads(validation.encode_result(plain)) == dict.fromkeys(plain, "[redacted]")
         assert json.loads(validation.encode_result({"a\u200bb": 1})) == {"a\u200bb": 1}
 
+    def test_names_are_lower_cased_not_folded(self) -> None:
+        """The spec lower-cases names; it does not fold or normalise them (the README's
+        decision): upper case of any script is found, look-alike letters are other names."""
+        found = {"TOKEN": 1, "ApiKey": 2, "PASSWORD": 3}
+        assert json.loads(validation.encode_result(found)) == dict.fromkeys(found, "[redacted]")
+        kept = {"\uff34\uff2f\uff2b\uff25\uff2e": 1, "\u017fecret": 2, "api\u2010key": 3}
+        assert json.loads(validation.encode_result(kept)) == kept
+
     def test_size_limit_is_on_the_compact_submitted_encoding(self) -> None:
         """32,768 bytes of compact UTF-8 JSON pass; one byte more is too large."""
         fits = "x" * (32_768 - 2)
