@@ -5,7 +5,8 @@ is installed (``make bench`` installs the ``bench`` extra). To draw it again fro
 a results file: ``python -m bench._plot bench/results/bench-….json``.
 
 Two panels: the ratio to the empty endpoint of every workload at 64 connections,
-per store, empty and grown, with each store's target ratio; and the p99 of each
+per store, empty and grown (acquire's the median of its rounds, as its target takes
+it), with each store's target ratio; and the p99 of each
 4-second window of acquires during the cleanup, with the p99 of all of them together
 (the target's measure) and twice each store's normal p99.
 ``series`` picks the numbers out of the results; ``plot`` only draws them.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +33,14 @@ _CLEANUP_LINES = (
 
 def series(results: dict[str, Any]) -> dict[str, Any]:
     """The plotted numbers: ``ratios`` {store label: {workload: ratio}} at 64
-    connections (a grown store's label is ``store+records``); ``cleanup`` {store:
+    connections (a grown store's label is ``store+records``; acquire's is the median of
+    its rounds, as its target takes it: ``_report.headline``); ``cleanup`` {store:
     {"elapsed": [s], "p99": [ms], "overall": the p99 of all the windows' requests
     (None in results from before windows kept their quantiles), "limit": twice the
     store's normal p99}}."""
     refs = _report.references(results)
     runs = [run for section in results["sections"] for run in section["runs"]]
-    ratios: dict[str, dict[str, float]] = {}
+    found: dict[str, dict[str, list[float]]] = {}
     cleanup: dict[str, dict[str, Any]] = {}
     for run in runs:
         target, workload = run["target"], run["workload"]
@@ -54,7 +57,11 @@ def series(results: dict[str, Any]) -> dict[str, Any]:
             continue
         value = _report.ratio(run, refs)
         if value is not None:  # etcd has no reference of its own, so no ratio
-            ratios.setdefault(target, {})[workload] = value
+            found.setdefault(target, {}).setdefault(workload, []).append(value)
+    ratios = {
+        target: {workload: statistics.median(values) for workload, values in by_workload.items()}
+        for target, by_workload in found.items()
+    }
     for store, window in cleanup.items():
         during = window.pop("runs")
         if all(run.get("quantiles") for run in during):

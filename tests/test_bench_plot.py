@@ -47,3 +47,14 @@ def test_ratios_per_store_and_cleanup_windows_against_twice_the_normal_p99() -> 
     assert picked["cleanup"] == {
         "sqlite": {"elapsed": [4.0, 8.0], "p99": [12.0, 17.0], "overall": None, "limit": 16.0}
     }
+
+
+def test_the_acquire_bar_is_the_median_of_the_rounds_the_target_takes() -> None:
+    """Acquire runs five rounds on each store; the target takes their median ratio, and
+    the bar drawn against the target's line shows the same, not whichever round ran last."""
+    runs = [run("reference@sqlite", "reference", 20_000)]
+    for rate, reference in ((9_000, 20_000), (10_000, 20_000), (6_000, 20_000)):
+        runs.append(run("sqlite", "acquire", rate, reference_ops_per_s=reference))
+    runs.append(run("sqlite", "cycle", 8_000, reference_ops_per_s=20_000))
+    picked = series({"sections": [{"runs": runs}]})
+    assert picked["ratios"] == {"sqlite": {"acquire": 0.45, "cycle": 0.4}}
