@@ -198,3 +198,39 @@ def test_the_cleanup_is_held_to_the_p99_of_every_acquire_round() -> None:
         "(all acquire rounds; the first alone: 1.0 ms) (1.33x"
     )
     assert found["met"]
+
+
+def test_a_target_measured_on_failed_requests_is_not_met_and_says_so() -> None:
+    """Failed requests (statuses a workload never expects, socket errors, timeouts) can
+    be quick ones: a store answering 503 at once keeps its rate and its p99 low. Every
+    target whose runs had any is not met, and says how many there were."""
+    fast = [1_000] * 1_000
+    rounds = [acquire_round(10_400, 20_000, fast) for _ in range(5)]
+    rounds[3]["errors"] = 3
+    one = acquire_run("sqlite", 2_000, connections=1) | {"p50_ms": 0.5, "errors": 2}
+    grown = acquire_run("sqlite+1000000", 10_400) | {"extra": {"reference_ops_per_s": 20_000}}
+    grown["errors"] = 5
+    cleanup = [window(fast, target="sqlite:cleanup", workload="acquire", connections=64)]
+    cleanup[0].update(seconds=4.0, p99_ms=1.0, max_ms=1.0, errors=7)
+    etcd = {"target": "etcd", "workload": "etcd_acquire", "connections": 64}
+    etcd.update(ops_per_s=2_000, errors=4)
+    results = {
+        "machine": {"fsync_ms": {"p50": 0.2}},
+        "sections": [{"runs": [*rounds, one, grown, *cleanup, etcd]}],
+    }
+    found = {t["target"]: t for t in targets(results)}
+    expected = {
+        "sqlite acquire, 64 connections": "; 3 requests failed",
+        "sqlite acquire, 1 connection": "; 2 requests failed",
+        "sqlite+1000000 records, acquire": "; 5 requests failed",
+        # Its own windows, and the acquire rounds its normal p99 is taken from.
+        "sqlite p99 during cleanup": "; 10 requests failed",
+        "sqlite acquire vs etcd, 64 connections": "; 4 requests failed",
+    }
+    assert set(found) == set(expected)
+    for name, failed in expected.items():
+        assert not found[name]["met"], found[name]
+        assert found[name]["measured"].endswith(failed), found[name]
+    for run in [*rounds, one, grown, *cleanup, etcd]:
+        run["errors"] = 0
+    assert all(t["met"] for t in targets(results)), targets(results)
