@@ -76,7 +76,9 @@ def run_wrk(
 
     wrk gets one thread per connection (see ``lua/common.lua``). ``ops_counter``
     names the Lua counter that counts operations when an operation is not one
-    request (etcd's acquire is two); by default every request is one operation.
+    request (etcd's acquire is two); by default every request answered with a status
+    the script expects (``EXPECTED``) is one operation. The others, and socket errors
+    and timeouts, are ``errors``: never throughput.
     ``quantiles`` keeps the run's latency quantiles in the result.
     """
     argv = [
@@ -109,7 +111,7 @@ def run_wrk(
     socket_errors = sum(v for k, v in data["errors"].items() if k != "status")
     elapsed = data["duration_us"] / 1e6
     requests = int(data["requests"])
-    ops = named.get(ops_counter, 0) if ops_counter else requests
+    ops = named.get(ops_counter, 0) if ops_counter else requests - unexpected
     client_cpu = (children_after.ru_utime + children_after.ru_stime) - (
         children_before.ru_utime + children_before.ru_stime
     )
