@@ -67,24 +67,31 @@ def percentile(runs: Runs, p: float) -> float:
 
     Each run kept its quantiles (``Run.quantiles``: wrk's latency at the percentiles
     0.5 to 99 in steps of 0.5, 99.01 to 99.99 in steps of 0.01, and its maximum at
-    100). wrk's ``q`` at percentile ``k`` of ``n`` requests is the latency of a
-    request of rank at least ``k * n / 100``, so a run has at least
-    ``floor(k * n / 100)`` requests at or below any latency from ``q`` up. The answer
+    100). wrk's ``q`` at percentile ``k`` of ``n`` samples is the latency of a
+    sample of rank at least ``k * n / 100``, so a run has at least
+    ``floor(k * n / 100)`` samples at or below any latency from ``q`` up. The answer
     is the lowest latency that any run reported at which these counts reach wrk's rank
-    for ``p`` of all requests: never below the true value, and above it by at most
-    one grid step (half a percent of the requests, or a hundredth in the tail) and one
-    request of each run.
+    for ``p`` of all samples: never below the true value, and above it by at most
+    one grid step (half a percent of the samples, or a hundredth in the tail) and one
+    sample of each run.
+
+    ``n`` is the run's ``latency_samples``, not its requests: wrk's histogram holds a
+    sample for every request and more for the requests a stalled connection did not
+    send (its correction for coordinated omission), and its quantiles are over them
+    all. Results from before the samples were kept fall back to the requests.
     """
     if not runs or not all(run.get("quantiles") for run in runs):
         raise ValueError("every run needs its quantiles")
-    total = sum(run["requests"] for run in runs)
+    sizes = [run.get("latency_samples") or run["requests"] for run in runs]
+    total = sum(sizes)
     # Percentiles in hundredths, so that the ranks are exact integers.
     need = min(total, round(p * 100) * total // 10_000 + 1)
     grids = [
-        (run["requests"], [(round(k * 100), us) for k, us in run["quantiles"]]) for run in runs
+        (n, [(round(k * 100), us) for k, us in run["quantiles"]])
+        for n, run in zip(sizes, runs, strict=True)
     ]
 
-    def at_or_below(v: float) -> int:  # a lower bound of the requests at or below v
+    def at_or_below(v: float) -> int:  # a lower bound of the samples at or below v
         found = 0
         for n, grid in grids:
             reached = max((k for k, us in grid if us <= v), default=0)

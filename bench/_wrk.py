@@ -54,6 +54,9 @@ class Run:
     #: [percentile, latency µs] pairs (``lua/common.lua``), kept only when asked for
     #: (``run_wrk(quantiles=True)``): runs are merged with ``_report.percentile``.
     quantiles: list[list[float]] = field(default_factory=list)
+    #: The samples in wrk's latency histogram, which its quantiles are over: more than
+    #: ``requests`` when wrk filled in for stalled connections (``lua/common.lua``).
+    latency_samples: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -139,4 +142,5 @@ def run_wrk(
         counters=named,
         errors=unexpected + socket_errors,
         quantiles=data["quantiles"] if quantiles else [],
+        latency_samples=int(data["samples"]),
     )

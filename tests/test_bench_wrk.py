@@ -30,6 +30,7 @@ def fake_wrk(tmp_path: Path, counters: dict[str, int], **errors: int) -> str:
     """An executable that prints what wrk with ``lua/common.lua`` would, once."""
     line = {
         "requests": sum(v for k, v in counters.items() if k.isdigit()),
+        "samples": sum(v for k, v in counters.items() if k.isdigit()),
         "duration_us": 2_000_000,
         "bytes": 0,
         "errors": {"connect": 0, "read": 0, "write": 0, "status": 0, "timeout": 0, **errors},

@@ -62,7 +62,8 @@ end
 -- The latency at percentiles 0.5, 1, ..., 99, 99.01, ..., 99.99 and 100, as
 -- "[percentile,us],...": enough of each run's distribution for the driver to
 -- merge runs (the cleanup's p99 is taken over all of its windows together).
--- wrk 4.1 gives scripts its percentiles but not its per-microsecond counts.
+-- wrk 4.1 would give its whole histogram too (latency(i): the i-th distinct
+-- value and its count), but that is some 10,000 pairs a run, for every window.
 function quantiles(latency)
    local parts = {}
    local function add(p)
@@ -73,6 +74,19 @@ function quantiles(latency)
    -- percentile(100) is 0 in wrk 4.1 (its rank is past the last request)
    table.insert(parts, string.format("[100,%d]", latency.max))
    return table.concat(parts, ",")
+end
+
+-- How many samples wrk's latency histogram holds: more than the requests, since
+-- wrk corrects it for coordinated omission (a request that took more than twice
+-- the mean time between one connection's requests adds samples for those the
+-- stalled connection did not send). Its percentiles are over these samples.
+function samples(latency)
+   local total = 0
+   for i = 1, #latency do
+      local _, count = latency(i)
+      total = total + count
+   end
+   return total
 end
 
 function done(summary, latency, requests)
@@ -89,11 +103,11 @@ function done(summary, latency, requests)
    end
    local e = summary.errors
    io.write(string.format(
-      'BENCH_JSON {"requests":%d,"duration_us":%d,"bytes":%d,' ..
+      'BENCH_JSON {"requests":%d,"samples":%d,"duration_us":%d,"bytes":%d,' ..
       '"errors":{"connect":%d,"read":%d,"write":%d,"status":%d,"timeout":%d},' ..
       '"latency_us":{"min":%d,"mean":%.1f,"p50":%d,"p90":%d,"p99":%d,"p999":%d,"max":%d},' ..
       '"counters":{%s},"quantiles":[%s]}\n',
-      summary.requests, summary.duration, summary.bytes,
+      summary.requests, samples(latency), summary.duration, summary.bytes,
       e.connect, e.read, e.write, e.status, e.timeout,
       latency.min, latency.mean, latency:percentile(50), latency:percentile(90),
       latency:percentile(99), latency:percentile(99.9), latency.max,
