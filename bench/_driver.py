@@ -153,6 +153,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"store {name}: {'ready' if target else why}")
         return 0
 
+    try:
+        return _bench(args, plan, stores, workloads, wrk, etcd)
+    except (RuntimeError, httpx.HTTPError) as exc:
+        # A server that died or would not start, wrk failing: what went wrong, once.
+        print(f"\nbench stopped: {exc}", file=sys.stderr)
+        return 1
+
+
+def _bench(
+    args: argparse.Namespace,
+    plan: Plan,
+    stores: list[str],
+    workloads: list[str],
+    wrk: str,
+    etcd: str | None,
+) -> int:
     out = args.out or ROOT / "bench" / "results" / time.strftime("bench-%Y%m%d-%H%M%S.json")
     started = time.time()
     sections: list[Section] = []
@@ -492,6 +508,7 @@ _JSON = {"content-type": "application/json"}
 
 
 def _mint(server: Process) -> str:
+    server.check_running("between two runs")
     response = httpx.post(server.url + "/services/v1/lease/namespace", json={}, timeout=10)
     response.raise_for_status()
     return str(response.json()["namespace"])

@@ -60,6 +60,22 @@ class Process:
     def memory_mb(self) -> tuple[float, float]:
         return memory_mb(self.pid)
 
+    def log_tail(self, chars: int = 2000) -> str:
+        """The end of the process's log: the log lives in the run's temporary directory,
+        which is gone by the time a message that named it is read."""
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError as exc:
+            return f"(its log {self.log} could not be read: {exc})"
+
+    def check_running(self, when: str) -> None:
+        """Raise, with the end of the log, if the process has exited."""
+        if self.popen.poll() is not None:
+            raise RuntimeError(
+                f"{self.name} exited with {self.popen.returncode} {when}; the end of its "
+                f"log:\n{self.log_tail()}"
+            )
+
     def stop(self) -> None:
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
@@ -89,15 +105,16 @@ def start(
     process = Process(name, popen, url, log)
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
-        if popen.poll() is not None:
-            tail = log.read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"{name} exited with {popen.returncode}:\n{tail}")
+        process.check_running("before it was ready")
         with contextlib.suppress(httpx.TransportError):
             if httpx.request(ready_method, url + ready_path, timeout=2).status_code == 200:
                 return process
         time.sleep(0.1)
     process.stop()
-    raise RuntimeError(f"{name} did not become ready within {wait:.0f} s; see {log}")
+    raise RuntimeError(
+        f"{name} did not become ready within {wait:.0f} s; the end of its log:\n"
+        f"{process.log_tail()}"
+    )
 
 
 def start_leasekeeper(store: str, workdir: Path, env: Mapping[str, str] | None = None) -> Process:

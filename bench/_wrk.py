@@ -96,9 +96,18 @@ def run_wrk(
         "--",
         *args,
     ]
+    process.check_running("before a run")
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_before = process.cpu_seconds()
-    done = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=seconds + 60)
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, check=False, timeout=seconds + 60
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"wrk ran over its {seconds} s by a minute: {' '.join(argv)}") from None
+    # A server that died during the run would leave a run of connection errors, and the
+    # next step a bare "connection refused".
+    process.check_running(f"during a run of {script} at {connections} connections")
     cpu_after = process.cpu_seconds()
     children_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     rss, peak = process.memory_mb()

@@ -75,3 +75,15 @@ def test_a_named_counter_counts_the_operations_when_it_is_given(
     found = run(wrk, process, "etcd_acquire", ops_counter="acquired")
     assert (found.requests, found.ops, found.errors) == (1_010, 480, 10)
     assert found.counters == {"acquired": 480}
+
+
+def test_a_server_that_died_is_reported_with_the_end_of_its_log(
+    tmp_path: Path, process: Process
+) -> None:
+    """Not as a run of connection errors followed by a bare 'connection refused'."""
+    process.log.write_text("the store's disk is full\n")
+    wrk = fake_wrk(tmp_path, {"201": 10})
+    process.popen.kill()
+    process.popen.wait()
+    with pytest.raises(RuntimeError, match=r"(?s)server exited with -9 before a run.*disk is full"):
+        run(wrk, process, "acquire")
