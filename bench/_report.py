@@ -22,6 +22,10 @@ def line(run: Run) -> str:
 
 def _row(run: dict[str, Any], ratio: float | None) -> str:
     statuses = " ".join(f"{k}:{v}" for k, v in sorted(run["statuses"].items()))
+    # What the operations make up: flows (idempotency), cycles, etcd's acquires.
+    named = " ".join(f"{k}:{v}" for k, v in sorted(run.get("counters", {}).items()))
+    if named:
+        statuses += f"  {named}"
     if run["errors"]:
         statuses += f"  ERRORS {run['errors']}"
     ratio_text = "" if ratio is None else f"{ratio:.2f}"
@@ -286,8 +290,10 @@ def render(results: dict[str, Any]) -> str:
         f"fsync of 4 KiB: p50 {m['fsync_ms']['p50']:.2f}, p99 {m['fsync_ms']['p99']:.2f} ms; "
         f"load average before {_load(m['loadavg_before'])}, after "
         f"{_load(m.get('loadavg_after', ()))} (other work on the machine shows here)",
+        "ops = requests answered as the workload expects (an idempotency flow is three: "
+        "acquire, complete, replay; a cycle two), but for etcd: acquires (grant + txn)",
         "ratio = ops/s over the empty Starlette endpoint measured around the same runs; "
-        "CPU = server process CPU time per operation",
+        "CPU = the server process's CPU time per op (not PostgreSQL's own)",
         "",
         _HEADER,
     ]

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from bench._plot import series
-from bench._report import percentile, targets
+from bench._report import _row, percentile, targets
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -249,3 +249,16 @@ def test_runs_are_merged_by_their_latency_samples_not_their_requests() -> None:
     stalled.update(requests=1_000, latency_samples=2_000)
     assert percentile([quick, stalled], 95) == 30.0
     assert percentile([quick, stalled], 90) == 1.0
+
+
+def test_a_line_shows_what_its_operations_are_made_of() -> None:
+    """ops counts requests: an idempotency flow is three of them, and the line says how
+    many flows there were beside its statuses."""
+    run = {
+        "target": "sqlite", "workload": "idempotency", "connections": 64, "ops_per_s": 4_727.0,
+        "p50_ms": 13.0, "p99_ms": 29.3, "server_cpu_us_per_op": 165.0, "rss_mb": 81.0,
+        "statuses": {"200": 6_600, "201": 3_326}, "counters": {"flows": 3_295}, "errors": 0,
+    }  # fmt: skip
+    assert _row(run, None).endswith("200:6600 201:3326  flows:3295")
+    del run["counters"]  # results from before named counters were kept
+    assert _row(run, None).endswith("200:6600 201:3326")
