@@ -87,6 +87,17 @@ class Plan:
         return cls(8, 4, 4, 2, records or 1_000_000, 10_000, 4, 60)
 
 
+def _positive(text: str) -> int:
+    """A whole number of at least 1 (``--records 0`` would read as not given)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"at least 1 (--no-growth skips them): {value}")
+    return value
+
+
 @dataclass
 class Section:
     """The runs of one store, or of etcd; ``notes`` say what was skipped and why."""
@@ -115,7 +126,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a database the bench may create and drop schemas in [%(default)s]",
     )
     parser.add_argument("--out", type=Path, default=None, help="the JSON results file")
-    parser.add_argument("--records", type=int, default=None, help="records for growth/cleanup")
+    parser.add_argument(
+        "--records", type=_positive, default=None, help="records for growth/cleanup"
+    )
     parser.add_argument(
         "--only",
         default=",".join(WORKLOADS),

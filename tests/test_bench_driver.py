@@ -158,3 +158,19 @@ def test_holders_are_acquired_with_their_own_tokens(tmp_path: Path) -> None:
             assert (renewed.status_code, renewed.json()["status"]) == (200, "held")
         with pytest.raises(RuntimeError, match="acquiring a holder: 409"):
             _driver._acquire_many(server.url, namespace, 1)
+
+
+@pytest.mark.parametrize("records", ["0", "-5", "many"])
+def test_a_number_of_records_below_one_is_refused(
+    records: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--records 0`` read as 'not given': the growth runs filled a million records and
+    were labelled with them; a negative number filled none and was labelled with it."""
+    with pytest.raises(SystemExit):
+        _driver.parse_args(["--records", records])
+    assert "--records" in capsys.readouterr().err
+
+
+def test_the_number_of_records_given_is_the_plans() -> None:
+    assert Plan.make(quick=True, records=5).records == 5
+    assert Plan.make(quick=False, records=None).records == 1_000_000
