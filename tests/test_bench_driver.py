@@ -174,3 +174,20 @@ def test_a_number_of_records_below_one_is_refused(
 def test_the_number_of_records_given_is_the_plans() -> None:
     assert Plan.make(quick=True, records=5).records == 5
     assert Plan.make(quick=False, records=None).records == 1_000_000
+
+
+def test_an_etcd_that_does_not_start_is_a_note_not_the_end_of_the_run(tmp_path: Path) -> None:
+    """The peer comes last, after some 15 minutes of runs that are only written out at
+    the end: an etcd that does not start (a data directory it refuses, a port taken)
+    is noted in its section, with what it logged, and the results are kept."""
+    etcd = tmp_path / "fake-etcd"
+    etcd.write_text("#!/bin/sh\necho 'etcdmain: listen tcp: address already in use' >&2\nexit 1\n")
+    etcd.chmod(0o755)
+    plan = Plan.make(quick=True, records=None)
+    bench = Bench("wrk", plan, tmp_path, None, ["acquire"], single=True)  # type: ignore[arg-type]
+    section = _driver.Section("etcd")
+    bench.etcd(str(etcd), section)
+    assert section.runs == []
+    (note,) = section.notes
+    assert note.startswith("etcd did not start: etcd exited with 1 before it was ready")
+    assert "address already in use" in note
