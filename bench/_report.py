@@ -10,7 +10,7 @@ from bench._wrk import Run
 Runs = list[dict[str, Any]]
 
 _HEADER = (
-    f"{'target':<26}{'workload':<13}{'conns':>5}{'ops/s':>9}{'ratio':>7}{'p50 ms':>8}"
+    f"{'target':<30}{'workload':<13}{'conns':>5}{'ops/s':>9}{'ratio':>7}{'p50 ms':>8}"
     f"{'p99 ms':>8}{'CPU µs/op':>10}{'RSS MB':>8}  statuses"
 )
 
@@ -30,7 +30,7 @@ def _row(run: dict[str, Any], ratio: float | None) -> str:
         statuses += f"  ERRORS {run['errors']}"
     ratio_text = "" if ratio is None else f"{ratio:.2f}"
     return (
-        f"{run['target']:<26}{run['workload']:<13}{run['connections']:>5}"
+        f"{run['target']:<30}{run['workload']:<13}{run['connections']:>5}"
         f"{run['ops_per_s']:>9,.0f}{ratio_text:>7}{run['p50_ms']:>8.2f}{run['p99_ms']:>8.2f}"
         f"{run['server_cpu_us_per_op']:>10.0f}{run['rss_mb']:>8.0f}  {statuses}"
     )

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from bench._plot import series
-from bench._report import _row, percentile, targets
+from bench._report import _HEADER, _row, percentile, targets
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -262,3 +262,17 @@ def test_a_line_shows_what_its_operations_are_made_of() -> None:
     assert _row(run, None).endswith("200:6600 201:3326  flows:3295")
     del run["counters"]  # results from before named counters were kept
     assert _row(run, None).endswith("200:6600 201:3326")
+
+
+def test_the_longest_target_label_keeps_a_space_before_the_workload() -> None:
+    """'reference@postgresql+1000000' is 28 characters: the column held 26, and the
+    line read 'reference@postgresql+1000000reference'."""
+    run = {
+        "target": "reference@postgresql+1000000", "workload": "reference", "connections": 64,
+        "ops_per_s": 16_000.0, "p50_ms": 3.3, "p99_ms": 68.5, "server_cpu_us_per_op": 57.0,
+        "rss_mb": 52.0, "statuses": {"200": 18_701}, "counters": {}, "errors": 0,
+    }  # fmt: skip
+    assert _row(run, 1.0).split()[:3] == ["reference@postgresql+1000000", "reference", "64"]
+    header = _HEADER.split()
+    assert header[:2] == ["target", "workload"]
+    assert _HEADER.index("workload") == _row(run, 1.0).index(" reference ") + 1
