@@ -40,7 +40,7 @@ from leasekeeper.cli import serve_app
 from leasekeeper.http import create_app
 from leasekeeper.mcp import TOOL_OPERATIONS, create_mcp_server
 from leasekeeper.store import MemoryStore
-from tests.conftest import FakeMonotonic
+from tests.conftest import FakeMonotonic, ManualSleep
 
 TOOL_NAMES = {
     "create_lease_namespace",
@@ -991,6 +991,34 @@ async def test_the_stdio_server_does_not_limit_minting(service: LeaseService) ->
     async with running(service), Client(create_mcp_server(service)) as client:
         for _ in range(Settings().namespace_burst + 10):
             ok(await client.call_tool("create_lease_namespace", {}))
+
+
+@pytest.mark.anyio
+async def test_the_stdio_servers_first_cleanup_runs_within_the_first_interval() -> None:
+    """As under ``serve``, the first cleanup of ``leasekeeper mcp`` runs at a random point of
+    the first interval, not after a whole one: a desktop client starts it per session, often
+    for less than the hour, and such a store was never cleaned up. Then one per interval."""
+
+    class Cleanups:
+        done = 0
+
+        async def cleanup(self) -> int:
+            self.done += 1
+            return 0
+
+    cleanups, sleep = Cleanups(), ManualSleep()
+    cleanup_every = leasekeeper.mcp._server._cleanup_every
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(lambda: cleanup_every(cleanups, 3600, sleep=sleep))  # type: ignore[arg-type]
+        await sleep.until_asleep(1)
+        (first,) = sleep.pauses
+        assert 0 <= first < 3600
+        assert cleanups.done == 0  # not before the first pause ends
+        await sleep.wake()
+        await sleep.until_asleep(1)
+        assert cleanups.done == 1
+        assert sleep.pauses == [first, 3600]
+        tasks.cancel_scope.cancel()
 
 
 # -- real transports: subprocesses -----------------------------------------------------------

@@ -46,10 +46,11 @@ import importlib.metadata
 import json
 import logging
 import os
+import random
 import re
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
@@ -1064,9 +1065,19 @@ def _id_from_start(start: bytes) -> int | str | None:
         return None
 
 
-async def _cleanup_every(service: LeaseService, seconds: float) -> None:
+async def _cleanup_every(
+    service: LeaseService,
+    seconds: float,
+    *,
+    sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
+) -> None:
+    # The first pass at a random point of the first interval, as under `serve`: a
+    # desktop client starts `leasekeeper mcp` per session, often for less than an
+    # interval, and waiting a whole one first never cleaned its store up.
+    pause = seconds * random.random()  # no secret
     while True:
-        await anyio.sleep(seconds)
+        await sleep(pause)
+        pause = seconds
         try:
             deleted = await service.cleanup()
         except LeaseError as error:
