@@ -36,6 +36,7 @@ from starlette.testclient import TestClient
 import leasekeeper.mcp
 from leasekeeper import FakeClock, LeaseService, Settings
 from leasekeeper._core.validation import UTF8_BOM
+from leasekeeper._service import clean_up_every
 from leasekeeper.cli import serve_app
 from leasekeeper.http import create_app
 from leasekeeper.mcp import TOOL_OPERATIONS, create_mcp_server
@@ -1007,9 +1008,8 @@ async def test_the_stdio_servers_first_cleanup_runs_within_the_first_interval() 
             return 0
 
     cleanups, sleep = Cleanups(), ManualSleep()
-    cleanup_every = leasekeeper.mcp._server._cleanup_every
     async with anyio.create_task_group() as tasks:
-        tasks.start_soon(lambda: cleanup_every(cleanups, 3600, sleep=sleep))  # type: ignore[arg-type]
+        tasks.start_soon(lambda: clean_up_every(cleanups, 3600, sleep=sleep))  # type: ignore[arg-type]
         await sleep.until_asleep(1)
         (first,) = sleep.pauses
         assert 0 <= first < 3600

@@ -240,6 +240,53 @@ def test_cleanup_walks_the_store_and_pauses_after_each_step_as_long_as_it_took()
     assert pauses == [0.015, 0.015]  # after the first two steps; none after the last
 
 
+def test_a_failed_cleanup_pass_is_logged_and_the_next_one_still_runs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``clean_up_every`` (both ``serve`` and ``leasekeeper mcp``): a pass the store refuses
+    is a WARNING and ``ran(None, …)``, and the loop goes on, one interval later, to a pass
+    that deletes; the first pause is a random part of the interval, the rest whole ones."""
+    import asyncio
+
+    from leasekeeper._errors import ServiceUnavailable
+    from leasekeeper._service import clean_up_every
+
+    class Flaky:
+        def __init__(self) -> None:
+            self.answers: list[int | Exception] = [ServiceUnavailable("store down"), 7]
+
+        async def cleanup(self) -> int:
+            answer = self.answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    pauses: list[float] = []
+    ran: list[int | None] = []
+
+    async def sleep(seconds: float) -> None:
+        pauses.append(seconds)
+        if len(pauses) == 3:
+            raise asyncio.CancelledError  # two passes are enough
+
+    async def main() -> None:
+        with pytest.raises(asyncio.CancelledError):
+            await clean_up_every(
+                Flaky(),  # type: ignore[arg-type]
+                600,
+                sleep=sleep,
+                ran=lambda deleted, seconds: ran.append(deleted),
+            )
+
+    with caplog.at_level(logging.INFO, logger="leasekeeper.service"):
+        asyncio.run(main())
+    assert ran == [None, 7]
+    assert 0 <= pauses[0] < 600 and pauses[1:] == [600, 600]
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert (logging.WARNING, "cleanup failed: store down") in messages
+    assert (logging.INFO, "cleanup deleted 7 records whose lifecycle was over") in messages
+
+
 def test_raising_the_fence_counter_is_bounded_and_timed() -> None:
     """``LeaseService.raise_fence`` refuses a value outside 0 .. 2^62 (so the counter
     cannot be brought near running out) before the store is asked, and reports the call

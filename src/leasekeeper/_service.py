@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
@@ -36,7 +37,13 @@ from leasekeeper._core.model import (
     Renewed,
 )
 from leasekeeper._core.validation import encode_result
-from leasekeeper._errors import FingerprintConflict, InternalError, LeaseHeld, LeaseLost
+from leasekeeper._errors import (
+    FingerprintConflict,
+    InternalError,
+    LeaseError,
+    LeaseHeld,
+    LeaseLost,
+)
 from leasekeeper._randomness import BlockRandom
 from leasekeeper._schemas import (
     DEFAULT_TTL_SECONDS,
@@ -49,7 +56,7 @@ from leasekeeper._schemas import (
 )
 from leasekeeper.store import MAX_RAISED_FENCE, LiveCounter, Purged, Store
 
-__all__ = ["OPERATIONS", "LeaseService", "Reply", "ServiceObserver"]
+__all__ = ["OPERATIONS", "LeaseService", "Reply", "ServiceObserver", "clean_up_every"]
 
 log = logging.getLogger("leasekeeper.service")
 
@@ -309,6 +316,39 @@ class LeaseService:
             seconds = time.perf_counter() - started
             for observer in self._observers:
                 observer.store_call(operation, seconds, failed)
+
+
+async def clean_up_every(
+    service: LeaseService,
+    seconds: float,
+    *,
+    sleep: Callable[[float], Awaitable[None]],
+    ran: Callable[[int | None, float], None] | None = None,
+) -> None:
+    """Run ``service.cleanup()`` for ever: every ``seconds``, the first time at a random
+    point of the first interval (both ``serve`` and ``leasekeeper mcp``).
+
+    Not after a whole interval first: instances started together spread out, and a
+    server restarted more often than the interval (every deploy), or a ``leasekeeper
+    mcp`` that a desktop client starts for each session, still cleans up, where waiting
+    a whole interval first never did. Each pass is logged (a failed one at WARNING, and
+    the loop goes on), then ``ran(deleted, seconds_taken)`` is called, ``deleted`` being
+    None when the pass failed.
+    """
+    pause = seconds * random.random()  # no secret
+    while True:
+        await sleep(pause)
+        pause = seconds
+        started = time.perf_counter()
+        deleted: int | None = None
+        try:
+            deleted = await service.cleanup()
+        except LeaseError as error:
+            log.warning("cleanup failed: %s", error.error)
+        else:
+            log.info("cleanup deleted %d records whose lifecycle was over", deleted)
+        if ran is not None:
+            ran(deleted, time.perf_counter() - started)
 
 
 def _lease_times(record: LeaseRecord, now_ms: int) -> dict[str, Any]:

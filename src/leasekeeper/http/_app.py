@@ -40,7 +40,7 @@ from leasekeeper._errors import (
 from leasekeeper._limits import Limits
 from leasekeeper._logging import REQUEST_ID
 from leasekeeper._metrics import Children, Metrics
-from leasekeeper._service import LeaseService
+from leasekeeper._service import LeaseService, clean_up_every
 from leasekeeper._settings import Settings
 from leasekeeper.http._errors import (
     error_parts,
@@ -141,26 +141,13 @@ def create_app(
         *(extra_routes or []),
     ]
 
-    async def cleanup_loop() -> None:
-        # The first pass at a random point of the first interval: instances started
-        # together spread out, and a server restarted more often than the interval
-        # (every deploy) still cleans up, where waiting a whole interval first never did.
-        pause = settings.cleanup_interval_seconds * random.random()  # no secret
-        while True:
-            await sleep(pause)
-            pause = settings.cleanup_interval_seconds
-            started = time.perf_counter()
-            try:
-                deleted = await service.cleanup()
-            except LeaseError as error:
-                metrics.cleanup_runs.labels("failed").inc()
-                log.warning("cleanup failed: %s", error.error)
-                continue
-            finally:
-                metrics.cleanup_seconds.observe(time.perf_counter() - started)
-            metrics.cleanup_runs.labels("ok").inc()
-            metrics.cleanup_deleted.inc(deleted)
-            log.info("cleanup deleted %d records whose lifecycle was over", deleted)
+    def cleaned(deleted: int | None, seconds: float) -> None:
+        metrics.cleanup_seconds.observe(seconds)
+        if deleted is None:
+            metrics.cleanup_runs.labels("failed").inc()
+            return
+        metrics.cleanup_runs.labels("ok").inc()
+        metrics.cleanup_deleted.inc(deleted)
 
     counting = settings.live_leases_interval_seconds > 0 and service.counts_live
     if not counting:  # not counted: no gauge, rather than a false 0
@@ -193,7 +180,16 @@ def create_app(
             raise ServiceUnavailable("Stopped while the store was being opened")
         tasks = []
         if run_cleanup:
-            tasks.append(asyncio.create_task(cleanup_loop()))
+            tasks.append(
+                asyncio.create_task(
+                    clean_up_every(
+                        service,
+                        settings.cleanup_interval_seconds,
+                        sleep=sleep,
+                        ran=cleaned,
+                    )
+                )
+            )
         if counting:
             tasks.append(asyncio.create_task(live_leases_loop()))
         try:

@@ -42,15 +42,15 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import importlib.metadata
 import json
 import logging
 import os
-import random
 import re
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
@@ -89,7 +89,7 @@ from leasekeeper._errors import (
 from leasekeeper._limits import Limits
 from leasekeeper._metrics import Metrics
 from leasekeeper._schemas import DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
-from leasekeeper._service import LeaseService
+from leasekeeper._service import LeaseService, clean_up_every
 from leasekeeper._settings import Settings
 from leasekeeper.http._app import ClientGone, read_body
 from leasekeeper.http._errors import status_code
@@ -769,7 +769,11 @@ async def serve_stdio(
     try:
         async with anyio.create_task_group() as tasks:
             if cleanup_interval_seconds is not None:
-                tasks.start_soon(_cleanup_every, service, cleanup_interval_seconds)
+                tasks.start_soon(
+                    functools.partial(
+                        clean_up_every, service, cleanup_interval_seconds, sleep=anyio.sleep
+                    )
+                )
             # stdin is duck-typed: the SDK only iterates it, line by line, as text.
             lines = cast("anyio.AsyncFile[str]", stdin)
             async with stdio_server(stdin=lines) as (read_stream, write_stream):
@@ -1063,27 +1067,6 @@ def _id_from_start(start: bytes) -> int | str | None:
                 return None
     except ValueError:  # a member cut off, or not JSON
         return None
-
-
-async def _cleanup_every(
-    service: LeaseService,
-    seconds: float,
-    *,
-    sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
-) -> None:
-    # The first pass at a random point of the first interval, as under `serve`: a
-    # desktop client starts `leasekeeper mcp` per session, often for less than an
-    # interval, and waiting a whole one first never cleaned its store up.
-    pause = seconds * random.random()  # no secret
-    while True:
-        await sleep(pause)
-        pause = seconds
-        try:
-            deleted = await service.cleanup()
-        except LeaseError as error:
-            log.warning("cleanup failed: %s", error.error)
-            continue
-        log.info("cleanup deleted %d records whose lifecycle was over", deleted)
 
 
 class _ValuesOut(logging.Filter):
