@@ -4,7 +4,8 @@ Every ratio in the benchmark is a lease operation's rate divided by this endpoin
 rate, measured in the same run on the same machine: it cancels out how fast the
 machine is (and, roughly, how busy it is), and leaves what the lease service costs
 on top of Starlette on uvicorn. ``python -m bench._reference --port N`` serves
-``POST /ref`` -> ``{"ok":true}`` with the very uvicorn options ``serve`` uses.
+``POST /ref`` -> ``{"ok":true}`` with the very uvicorn options ``serve`` uses, and its
+garbage collector tuned as ``serve`` tunes it (``bench._instructions`` does the same).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from leasekeeper._settings import Settings
-from leasekeeper.cli import uvicorn_options
+from leasekeeper.cli import _tune_gc, uvicorn_options
 
 
 async def ok(request: Request) -> JSONResponse:
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args()
+    _tune_gc()
     uvicorn.run(app, host=args.host, port=args.port, **uvicorn_options(Settings()))
 
 
