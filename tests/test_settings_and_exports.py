@@ -186,6 +186,10 @@ def test_a_postgres_url_with_a_parameter_libpq_does_not_know_names_it() -> None:
         "postgresql://postgres:Xy@Secret9@127.0.0.1/test",  # libpq: password Xy, host Secret9@...
         "postgresql://postgres:ab/cd@127.0.0.1/test",
         "postgresql://postgres:ab#cd@127.0.0.1/test",
+        # A ? before the @ is no query to libpq, which reads the user and password up to
+        # the first @ before any /: password Xy7?k, host Secret9@127.0.0.1 (logged).
+        "postgresql://postgres:Xy7?k@Secret9@127.0.0.1/test",
+        "postgresql://postgres:Xy7?k=1@Secret9@127.0.0.1:5432/test?sslmode=disable",
     ],
 )
 def test_postgres_urls_with_an_unencoded_password_character_are_refused(url: str) -> None:
@@ -196,6 +200,16 @@ def test_postgres_urls_with_an_unencoded_password_character_are_refused(url: str
     with pytest.raises(StoreURLError, match="percent-encode") as refused:
         open_store(url)
     assert "Secret9" not in str(refused.value) and "cd" not in str(refused.value)
+
+
+def test_a_postgres_password_holding_a_question_mark_alone_is_taken() -> None:
+    """libpq reads a ? in the password as part of it (only an @ or a / ends the user and
+    password), so such a URL is not refused: only a second @ would split it."""
+    pytest.importorskip("psycopg")
+    from leasekeeper.store._postgres import PostgresStore
+
+    store = open_store("postgresql://postgres:Xy7?k@127.0.0.1/test?sslmode=disable")
+    assert isinstance(store, PostgresStore)
 
 
 def test_stores_without_a_pool_ignore_the_pool_size() -> None:

@@ -982,12 +982,20 @@ def _check_userinfo(url: str) -> None:
     unencoded: libpq would split it elsewhere than meant (``user:a@b@host``: password
     ``a``, host ``b@host``), and a part of the password would be taken for the host,
     the port or the database, and logged with every failed connection. The message
-    does not repeat the URL."""
-    authority_and_on = url.partition("://")[2].partition("?")[0]
+    does not repeat the URL. libpq reads the user and password up to the first @ before
+    any /, a ? included (``user:a?b@c@host``: password ``a?b``, host ``c@host``), so a
+    second @ there is refused too."""
+    rest = url.partition("://")[2]
+    split_by_libpq = rest.partition("/")[0].count("@") > 1
+    authority_and_on = rest.partition("?")[0]
     at = authority_and_on.find("@")
-    if at == -1:
+    if at == -1 and not split_by_libpq:
         return
-    if authority_and_on.count("@") > 1 or any(c in authority_and_on[:at] for c in "/#"):
+    if (
+        split_by_libpq
+        or authority_and_on.count("@") > 1
+        or any(c in authority_and_on[:at] for c in "/#")
+    ):
         raise ValueError(
             "the user name or password holds @, / or # as it is; "
             "percent-encode them (%40, %2F, %23)"
