@@ -224,7 +224,7 @@ def test_retryable_refusals_exit_14_and_bad_requests_13(error: LeaseError, code:
             ["acquire", "--key", "k", "--namespace-env", "N", "--namespace-file", "ns"],
             "one way only (--namespace-env, --namespace-file)",  # there is no --namespace
         ),
-        (["acquire", "--key-env", "UNSET"], "UNSET is empty"),
+        (["acquire", "--key-env", "UNSET"], "--key-env: the environment variable it names"),
         (["acquire", "--key", "k", "--namespace-file", "/nonexistent/ns"], "cannot read"),
         (["renew", "--key", "k"], "owner-token is required"),
         (["complete", "--key", "k", "--result", "{nope"], "not valid JSON"),
@@ -239,6 +239,24 @@ def test_usage_errors_exit_2_without_echoing_secrets(
     assert result.exit_code == 2
     assert message in result.stderr
     assert cli.environ["LEASEKEEPER_NAMESPACE"] not in result.output
+
+
+def test_a_secret_given_to_an_env_option_by_mistake_is_not_repeated(cli: Cli) -> None:
+    """``--owner-token-env "$TOKEN"`` (the value where its variable's name belongs) names a
+    variable that is not set: the usage error says so without repeating the name, which
+    is then the secret itself, on stderr (a cron mail, a journal)."""
+    namespace = cli.environ["LEASEKEEPER_NAMESPACE"]
+    token = "own_" + "Q" * 42 + "A"
+    for args in (
+        ["acquire", "--key", "k", "--namespace-env", namespace],
+        ["renew", "--key", "k", "--owner-token-env", token],
+        ["acquire", "--key-env", "c0ffee" + "d" * 58],  # a bare key
+        ["acquire", "--key", "k", "--fingerprint-env", "SECRETFP"],
+    ):
+        result = cli(*args)
+        assert result.exit_code == 2
+        assert "the environment variable it names is unset or empty" in result.stderr
+        assert args[-1] not in result.output
 
 
 def test_secrets_from_files_and_stdin(cli: Cli, tmp_path: Path) -> None:

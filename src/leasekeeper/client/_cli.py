@@ -322,7 +322,11 @@ def _secret(
     if env_name is not None:
         value = environ.get(env_name, "")
         if not value:
-            raise click.UsageError(f"--{name}-env: the environment variable {env_name} is empty")
+            # The name is not repeated: given the value by mistake (--owner-token-env
+            # "$TOKEN"), it is the secret itself.
+            raise click.UsageError(
+                f"--{name}-env: the environment variable it names is unset or empty"
+            )
         return value
     if path is not None:
         value = _read_file(path, f"--{name}-file", exact=json_field is None)
