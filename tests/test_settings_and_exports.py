@@ -190,6 +190,11 @@ def test_a_postgres_url_with_a_parameter_libpq_does_not_know_names_it() -> None:
         # the first @ before any /: password Xy7?k, host Secret9@127.0.0.1 (logged).
         "postgresql://postgres:Xy7?k@Secret9@127.0.0.1/test",
         "postgresql://postgres:Xy7?k=1@Secret9@127.0.0.1:5432/test?sslmode=disable",
+        # A ? and then a / before the @: libpq sees no password, takes postgres for the host
+        # and Ab for the port, and the rest for a query (repeated: a parameter libpq does
+        # not know, or at connecting, the port or sslmode it refuses).
+        "postgresql://postgres:Ab?sslmode=disable/cdSecret9@127.0.0.1/test",
+        "postgresql://postgres:Ab?cdSecret9=x/y@127.0.0.1/test",
     ],
 )
 def test_postgres_urls_with_an_unencoded_password_character_are_refused(url: str) -> None:
@@ -200,16 +205,21 @@ def test_postgres_urls_with_an_unencoded_password_character_are_refused(url: str
     with pytest.raises(StoreURLError, match="percent-encode") as refused:
         open_store(url)
     assert "Secret9" not in str(refused.value) and "cd" not in str(refused.value)
+    assert "Ab" not in str(refused.value)
 
 
 def test_a_postgres_password_holding_a_question_mark_alone_is_taken() -> None:
     """libpq reads a ? in the password as part of it (only an @ or a / ends the user and
-    password), so such a URL is not refused: only a second @ would split it."""
+    password), so such a URL is not refused, nor is an @ in a query parameter's value."""
     pytest.importorskip("psycopg")
     from leasekeeper.store._postgres import PostgresStore
 
-    store = open_store("postgresql://postgres:Xy7?k@127.0.0.1/test?sslmode=disable")
-    assert isinstance(store, PostgresStore)
+    for url in (
+        "postgresql://postgres:Xy7?k@127.0.0.1/test?sslmode=disable",
+        "postgresql://postgres:Xy7?k@127.0.0.1/test?application_name=me@x/y",
+        "postgresql://127.0.0.1/test?application_name=me@x",
+    ):
+        assert isinstance(open_store(url), PostgresStore)
 
 
 def test_stores_without_a_pool_ignore_the_pool_size() -> None:

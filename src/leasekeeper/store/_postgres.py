@@ -981,20 +981,22 @@ def _check_userinfo(url: str) -> None:
     """``ValueError`` for a URL whose password (or user) holds ``@``, ``/`` or ``#``
     unencoded: libpq would split it elsewhere than meant (``user:a@b@host``: password
     ``a``, host ``b@host``), and a part of the password would be taken for the host,
-    the port or the database, and logged with every failed connection. The message
-    does not repeat the URL. libpq reads the user and password up to the first @ before
-    any /, a ? included (``user:a?b@c@host``: password ``a?b``, host ``c@host``), so a
-    second @ there is refused too."""
+    the port, the database or a query parameter, and logged with every failed
+    connection or repeated in a refusal. The message does not repeat the URL.
+
+    libpq reads the user and password up to the first ``@`` before any ``/``, a ``?``
+    included: ``user:a?b@c@host`` is password ``a?b`` and host ``c@host``; and in
+    ``user:a?b=1/c@host`` (a ``?``, then a ``/`` before the only ``@``) it sees no
+    password at all, but host ``user``, port ``a`` and a parameter ``b``."""
     rest = url.partition("://")[2]
-    split_by_libpq = rest.partition("/")[0].count("@") > 1
+    before_path, _, after_slash = rest.partition("/")
     authority_and_on = rest.partition("?")[0]
     at = authority_and_on.find("@")
-    if at == -1 and not split_by_libpq:
-        return
     if (
-        split_by_libpq
+        before_path.count("@") > 1
+        or ("?" in before_path and "@" not in before_path and "@" in after_slash)
         or authority_and_on.count("@") > 1
-        or any(c in authority_and_on[:at] for c in "/#")
+        or (at != -1 and any(c in authority_and_on[:at] for c in "/#"))
     ):
         raise ValueError(
             "the user name or password holds @, / or # as it is; "
