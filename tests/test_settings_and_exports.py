@@ -195,6 +195,8 @@ def test_a_postgres_url_with_a_parameter_libpq_does_not_know_names_it() -> None:
         # not know, or at connecting, the port or sslmode it refuses).
         "postgresql://postgres:Ab?sslmode=disable/cdSecret9@127.0.0.1/test",
         "postgresql://postgres:Ab?cdSecret9=x/y@127.0.0.1/test",
+        # ?, @ and / in that order: password Xy7?k, host Secret9, database x@127.0.0.1/test.
+        "postgresql://postgres:Xy7?k@Secret9/x@127.0.0.1/test",
     ],
 )
 def test_postgres_urls_with_an_unencoded_password_character_are_refused(url: str) -> None:

@@ -984,20 +984,22 @@ def _check_userinfo(url: str) -> None:
     the port, the database or a query parameter, and logged with every failed
     connection or repeated in a refusal. The message does not repeat the URL.
 
-    libpq reads the user and password up to the first ``@`` before any ``/``, a ``?``
-    included: ``user:a?b@c@host`` is password ``a?b`` and host ``c@host``; and in
-    ``user:a?b=1/c@host`` (a ``?``, then a ``/`` before the only ``@``) it sees no
-    password at all, but host ``user``, port ``a`` and a parameter ``b``."""
+    Read as libpq reads it: the user and password run up to the first ``@`` before
+    any ``/``, a ``?`` included (``user:a?b@c@host`` is password ``a?b`` and host
+    ``c@host``; ``user:a?b@c/d@host``, host ``c``); after them, an ``@`` before the
+    query is in the host or the database. With no ``@`` before the first ``/``, libpq
+    sees no user or password: an ``@`` after that ``/``, in the database or after a
+    ``?`` that came before it (``user:a?b=1/c@host``: host ``user``, port ``a``, a
+    parameter ``b``), is a password's."""
     rest = url.partition("://")[2]
-    before_path, _, after_slash = rest.partition("/")
-    authority_and_on = rest.partition("?")[0]
-    at = authority_and_on.find("@")
-    if (
-        before_path.count("@") > 1
-        or ("?" in before_path and "@" not in before_path and "@" in after_slash)
-        or authority_and_on.count("@") > 1
-        or (at != -1 and any(c in authority_and_on[:at] for c in "/#"))
-    ):
+    before_path = rest.partition("/")[0]
+    if "@" in before_path:
+        userinfo, _, after = rest.partition("@")
+        split = "@" in after.partition("?")[0] or "#" in userinfo
+    else:
+        after_slash = rest[len(before_path) + 1 :]
+        split = "@" in rest.partition("?")[0] or ("?" in before_path and "@" in after_slash)
+    if split:
         raise ValueError(
             "the user name or password holds @, / or # as it is; "
             "percent-encode them (%40, %2F, %23)"
