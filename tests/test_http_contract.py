@@ -771,6 +771,34 @@ class TestTransport:
         (logged,) = [r for r in caplog.records if r.name == "leasekeeper.http"]
         assert logged.getMessage() == "unhandled error on GET readyz"
 
+    def test_an_unexpected_error_answered_is_not_passed_on_to_the_server(
+        self, make_api: ApiFactory, make_store: Any, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A fault on a route Starlette serves (/readyz, /metrics, /mcp) is answered 500
+        and logged once, by leasekeeper. Starlette raised it again after the answer, for
+        the server: uvicorn logged it a second time ("Exception in ASGI application", a
+        second traceback) and closed the connection. A server that sees the exception
+        fails this test (TestClient raises it, as uvicorn logs it)."""
+        from starlette.testclient import TestClient
+
+        class Broken:
+            def __init__(self) -> None:
+                self.inner = make_store("memory")
+
+            async def open(self) -> None: ...
+            async def close(self) -> None: ...
+            async def ping(self) -> None:
+                raise RuntimeError("boom in ping")
+
+        api = make_api(store=Broken())  # type: ignore[arg-type]
+        client = TestClient(api.app, raise_server_exceptions=True)
+        caplog.clear()
+        with caplog.at_level("ERROR"):
+            ready = client.get("/readyz")
+        assert error(ready, 500, "internal")["error"] == "Internal error"
+        assert [r.getMessage() for r in caplog.records] == ["unhandled error on GET readyz"]
+        assert client.get("/healthz").status_code == 200
+
     def test_openapi_describes_every_route_and_body(self, api: Api) -> None:
         """/openapi.json lists each route with its request body schema."""
         doc = api.client.get("/openapi.json").json()

@@ -43,6 +43,7 @@ from leasekeeper._metrics import Children, Metrics
 from leasekeeper._service import LeaseService, clean_up_every
 from leasekeeper._settings import Settings
 from leasekeeper.http._errors import (
+    ANSWERED,
     error_parts,
     error_response,
     http_exception_handler,
@@ -619,7 +620,9 @@ class LeaseApp:
         self, scope: Scope, receive: Receive, send: Send, request_id: bytes
     ) -> int:
         """Starlette answers; its response gets the security headers and X-Request-Id
-        (replacing any it set itself). Returns the status it sent (500 if none)."""
+        (replacing any it set itself). Returns the status it sent (500 if none). An
+        error its handler answered (``unexpected_handler``) ends here; any other goes
+        on to the server."""
         status_code = 500
 
         async def send_with_headers(message: Message) -> None:
@@ -636,5 +639,11 @@ class LeaseApp:
                 message = {**message, "headers": headers}
             await send(message)
 
-        await self.app(scope, receive, send_with_headers)
+        try:
+            await self.app(scope, receive, send_with_headers)
+        except Exception as exc:
+            if scope.pop(ANSWERED, None) is not exc:
+                raise
+            # Answered and logged by unexpected_handler: Starlette raises it again for
+            # the server, which would log it twice and close the connection.
         return status_code

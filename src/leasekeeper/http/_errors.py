@@ -26,6 +26,7 @@ from leasekeeper._errors import (
 )
 
 __all__ = [
+    "ANSWERED",
     "STATUS_CODES",
     "error_parts",
     "error_response",
@@ -51,6 +52,12 @@ STATUS_CODES: dict[type[LeaseError], int] = {
     InternalError: 500,
     ServiceUnavailable: 503,
 }
+
+#: The scope entry where ``unexpected_handler`` leaves the exception it answered.
+#: Starlette raises that exception again after the answer, for the server to log;
+#: ``LeaseApp`` does not pass it on, as uvicorn would log it a second time (another
+#: traceback) and close the connection.
+ANSWERED = "leasekeeper.answered"
 
 _FROM_HTTP: dict[int, type[LeaseError]] = {
     400: InvalidRequest,
@@ -102,6 +109,7 @@ async def http_exception_handler(request: Request, exc: Exception) -> Response:
 
 async def unexpected_handler(request: Request, exc: Exception) -> Response:
     """Anything unforeseen: logged with its traceback, answered without details."""
+    request.scope[ANSWERED] = exc
     if isinstance(exc, LeaseError):
         return error_response(exc)
     # The route's name, never the path, which a client could fill with a secret.
