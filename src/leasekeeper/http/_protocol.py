@@ -18,9 +18,10 @@ starts a timer. A client that stops reading its answers gets as long to take the
 once the connection's send buffer is full, it must drain within ``request_timeout``,
 or the connection is dropped (a client that never reads would otherwise hold its
 slot for ever). A head that has not ended within ``MAX_HEAD_BYTES`` gets a JSON
-``431`` (status ``too_large``) and the connection is closed. Malformed HTTP gets a
-JSON ``400 invalid`` instead of uvicorn's plain text, so every answer is a JSON
-object.
+``431`` (status ``too_large``) and the connection is closed; one sent behind a request
+still being answered is read no further, and gets its 431 after that answer. Malformed
+HTTP gets a JSON ``400 invalid`` instead of uvicorn's plain text, so every answer is a
+JSON object.
 
 On httptools, an offer to upgrade the connection that is not taken (``Upgrade:
 h2c``, which ``curl --http2``, Java's HttpClient and Ktor send on plain HTTP) is
@@ -101,6 +102,7 @@ class _SlowClientGuard:
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
     cycle: Any
+    flow: Any
     _lk_timer: asyncio.TimerHandle | None = None
     #: Set while the send buffer is full: the client must take its answers by then.
     _lk_write_timer: asyncio.TimerHandle | None = None
@@ -113,18 +115,27 @@ class _SlowClientGuard:
 
     def data_received(self, data: bytes) -> None:
         waiting, before = self._lk_waiting(), self.cycle
+        # Once the request being answered has all its body, what follows is the next
+        # request's head: bounded too, though its answer must wait for the one before.
+        following = waiting or not before.more_body
         super().data_received(data)  # type: ignore[misc]
         if self.cycle is not before:  # headers complete: a request began
             self._lk_disarm()
             self._lk_head_bytes = 0
-        elif waiting and not self.transport.is_closing():
+        elif following and not self.transport.is_closing():
             self._lk_head_bytes += len(data)
             if self._lk_head_bytes > MAX_HEAD_BYTES:
-                self._lk_disarm()
-                self.transport.write(_HEAD_TOO_LARGE)
-                self.transport.close()
-            elif self._lk_timer is None:
+                self._lk_head_too_large()
+            elif waiting and self._lk_timer is None:
                 self._lk_arm()  # the first bytes of a request: its headers are on the clock
+
+    def on_response_complete(self) -> None:
+        before = self.cycle
+        super().on_response_complete()  # type: ignore[misc]
+        if self.cycle is not before:  # h11 parsed a waiting head: a request began
+            self._lk_head_bytes = 0
+        elif self._lk_head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+            self._lk_head_too_large()  # the answer it waited for is sent
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lk_disarm()
@@ -152,6 +163,18 @@ class _SlowClientGuard:
 
     def send_400_response(self, msg: str) -> None:
         self.transport.write(_MALFORMED)
+        self.transport.close()
+
+    def _lk_head_too_large(self) -> None:
+        """A head past ``MAX_HEAD_BYTES``: the JSON 431, and the connection is closed.
+        While an answer is still being sent (a client that does not read its answers
+        holds one for the request timeout), nothing more is read, and the 431 follows
+        that answer (``on_response_complete``): uvicorn kept every header line it read."""
+        if not self._lk_waiting():
+            self.flow.pause_reading()
+            return
+        self._lk_disarm()
+        self.transport.write(_HEAD_TOO_LARGE)
         self.transport.close()
 
     def _lk_waiting(self) -> bool:
