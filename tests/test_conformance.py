@@ -365,6 +365,33 @@ def test_purge_walks_in_bounded_steps(on_store: Any, clock: FakeClock) -> None:
     on_store(body)
 
 
+def test_grants_decided_together_on_one_key_get_rising_fences(on_store: Any) -> None:
+    """Acquire, release, acquire, release, acquire of one key, submitted together (one
+    batch on the stores that batch): three owners, each with a higher fence than the
+    one before, and the key is held by the last of them."""
+
+    async def body(store: Store) -> None:
+        key, owners = new_id(), [new_id() for _ in range(3)]
+        decisions = await asyncio.gather(
+            store.apply(Acquire(key, None, TTL, owners[0], LIFECYCLE)),
+            store.apply(Release(key, owners[0])),
+            store.apply(Acquire(key, None, TTL, owners[1], LIFECYCLE)),
+            store.apply(Release(key, owners[1])),
+            store.apply(Acquire(key, None, TTL, owners[2], LIFECYCLE)),
+        )
+        grants = [d.outcome for d in decisions[::2] if isinstance(d.outcome, Granted)]
+        assert len(grants) == 3, decisions
+        assert all(isinstance(d.outcome, Released) for d in decisions[1::2])
+        fences = [g.record.fencing_token for g in grants]
+        assert fences[0] < fences[1] < fences[2], fences
+        held = await acquire(store, key)
+        assert isinstance(held.outcome, Held)
+        assert held.outcome.record.fencing_token == fences[2]
+        assert held.outcome.record.owner == owners[2]
+
+    on_store(body)
+
+
 def test_fences_never_go_back_after_purge_or_restart(
     make_store: StoreFactory, store_kind: str, clock: FakeClock
 ) -> None:
