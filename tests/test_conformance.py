@@ -392,6 +392,29 @@ def test_grants_decided_together_on_one_key_get_rising_fences(on_store: Any) -> 
     on_store(body)
 
 
+def test_instances_sharing_a_store_draw_fences_from_one_counter(
+    make_store: StoreFactory, store_kind: str
+) -> None:
+    """Two store instances over the same data (two servers on one SQLite file, two
+    service instances on one database) take turns granting: every grant is above every
+    grant before it, whichever instance made it, on the same key and on others."""
+
+    async def main() -> None:
+        first = make_store(store_kind)
+        second = make_store(store_kind, like=first)
+        async with opened(first), opened(second):
+            key, fences = new_id(), []
+            for store in (first, second, first, second, second, first):
+                owner = new_id()
+                fences.append((await grant(store, key, owner)).record.fencing_token)
+                await store.apply(Release(key, owner))
+                fences.append((await grant(store, new_id(), new_id())).record.fencing_token)
+            assert fences == sorted(fences), fences
+            assert len(set(fences)) == len(fences), fences
+
+    asyncio.run(main())
+
+
 def test_fences_never_go_back_after_purge_or_restart(
     make_store: StoreFactory, store_kind: str, clock: FakeClock
 ) -> None:
