@@ -415,6 +415,27 @@ def test_instances_sharing_a_store_draw_fences_from_one_counter(
     asyncio.run(main())
 
 
+def test_a_purge_walk_goes_on_past_steps_that_delete_nothing(
+    on_store: Any, clock: FakeClock
+) -> None:
+    """A step that finds only live records is not the end of the walk: a cleanup that
+    stopped there would leave every finished record behind it in the store for good.
+    (Key ids that sort first hold live leases, the last one a finished lifecycle.)"""
+
+    async def body(store: Store) -> None:
+        for n in range(1, 7):
+            await grant(store, bytes([n]) + new_id()[1:], new_id(), lifecycle_ms=60_000)
+        finished = b"\xff" + new_id()[1:]
+        await grant(store, finished, new_id(), lifecycle_ms=1000)
+        clock.advance(1)
+        assert await purge_all(store, limit=2) == 1
+        assert await purge_all(store, limit=2) == 0
+        assert isinstance(store, LiveCounter)
+        assert await store.count_live() == 6
+
+    on_store(body)
+
+
 def test_fences_never_go_back_after_purge_or_restart(
     make_store: StoreFactory, store_kind: str, clock: FakeClock
 ) -> None:
