@@ -37,7 +37,14 @@ from leasekeeper._core.model import (
     Renew,
     Renewed,
 )
-from leasekeeper.store._sqlite import _SCHEMA, SqliteStore, _params, _select_many, _upsert
+from leasekeeper.store._sqlite import (
+    _SCHEMA,
+    _SELECT_CHUNK,
+    SqliteStore,
+    _params,
+    _select_many,
+    _upsert,
+)
 from tests.conftest import not_ready_until_the_hold_ends
 
 TTL = 60_000
@@ -114,6 +121,33 @@ def test_a_batch_reads_records_written_by_earlier_batches(tmp_path: Path) -> Non
         assert isinstance(regranted, Granted)
         assert regranted.record.fencing_token == 4  # three grants before it, one counter
         assert store.fencing_counter() == 4
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_batch_of_more_keys_than_one_read_takes_finds_every_record(tmp_path: Path) -> None:
+    """A batch's records are read ``_SELECT_CHUNK`` keys at a time: in a batch of more
+    keys than that, every key's record is found, the ones at the chunks' edges too, so
+    no live lease is taken for a new lifecycle (a second owner) under load."""
+    clock = FakeClock()
+    count = _SELECT_CHUNK + 10
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "k.db", clock, max_batch=2 * _SELECT_CHUNK)
+        await store.open()
+        keys = [new_id() for _ in range(count)]
+        first = await asyncio.gather(
+            *(store.apply(Acquire(key, None, TTL, new_id(), LIFECYCLE)) for key in keys)
+        )
+        assert all(isinstance(d.outcome, Granted) for d in first)
+        again = await asyncio.gather(  # one batch: all of them queued in one turn
+            *(store.apply(Acquire(key, None, TTL, new_id(), LIFECYCLE)) for key in keys)
+        )
+        held = [i for i, d in enumerate(again) if isinstance(d.outcome, Held)]
+        assert held == list(range(count))
+        assert [d.outcome.record for d in again] == [d.outcome.record for d in first]
+        assert store.fencing_counter() == count
         await store.close()
 
     asyncio.run(main())
