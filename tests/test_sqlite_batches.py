@@ -153,6 +153,51 @@ def test_a_batch_of_more_keys_than_one_read_takes_finds_every_record(tmp_path: P
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("lock_elsewhere", [False, True], ids=["on the loop", "on the thread"])
+def test_a_request_whose_caller_is_gone_is_left_out_of_its_batch(
+    tmp_path: Path, lock_elsewhere: bool
+) -> None:
+    """A queued request whose caller gave up (cancelled here; a deadline passed does the
+    same) before its batch was decided gets no decision: no lease is granted whose
+    token nobody holds, no fence is drawn for it, and the requests around it in the
+    batch get their own decisions. Decided on the loop, or on the thread when another
+    connection holds the write lock."""
+    path = tmp_path / "g.db"
+    clock = FakeClock()
+
+    async def main() -> None:
+        store = SqliteStore(path, clock)
+        await store.open()
+        keys = [new_id() for _ in range(3)]
+        with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as other:
+            if lock_elsewhere:
+                other.execute("BEGIN IMMEDIATE")
+            calls = [
+                asyncio.ensure_future(store.apply(Acquire(key, None, TTL, new_id(), LIFECYCLE)))
+                for key in keys
+            ]
+            await asyncio.sleep(0)  # all three are queued, and none is decided yet
+            assert len(store._pending) == 3 and not any(call.done() for call in calls)
+            calls[1].cancel()
+            if lock_elsewhere:
+                await asyncio.sleep(0)  # the batch goes to the thread, to wait for the lock
+                assert not store._pending and not calls[0].done()
+                other.execute("COMMIT")
+            first, third = await calls[0], await calls[2]
+        with pytest.raises(asyncio.CancelledError):
+            await calls[1]
+        for decision, key in ((first, keys[0]), (third, keys[2])):
+            assert isinstance(decision.outcome, Granted)
+            assert decision.outcome.record.key_id == key
+        assert store.fencing_counter() == 2
+        retried = await store.apply(Acquire(keys[1], None, TTL, new_id(), LIFECYCLE))
+        assert isinstance(retried.outcome, Granted)  # the key was never taken
+        assert retried.outcome.record.fencing_token == 3
+        await store.close()
+
+    asyncio.run(main())
+
+
 def test_checkpoints_copy_the_wal_into_the_database_file_off_the_writer(tmp_path: Path) -> None:
     """The writer never checkpoints by itself (no COMMIT waits for one); the checkpoint
     thread copies committed pages into the database file soon after they are written."""
