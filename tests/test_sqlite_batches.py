@@ -611,6 +611,54 @@ def test_the_fsync_is_of_the_wal_file(tmp_path: Path, monkeypatch: pytest.Monkey
     asyncio.run(main())
 
 
+def test_the_fsync_that_answers_a_batch_began_after_its_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thread is given a batch to make durable only once its COMMIT has written the
+    WAL: an fsync that ran while the COMMIT was still being written would not cover
+    it, and the batch would be answered before it is on the disk. A slow COMMIT (here,
+    0.2 s) gives such an fsync every chance to run first."""
+    events: list[str] = []
+    slow = threading.Event()
+
+    class SlowCommit(sqlite3.Connection):
+        def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
+            if sql != "COMMIT" or not slow.is_set():
+                return super().execute(sql, parameters)
+            time.sleep(0.2)  # the GIL is free: the thread may run meanwhile
+            cursor = super().execute(sql, parameters)
+            events.append("commit")
+            return cursor
+
+    sync_wal = SqliteStore._sync_wal
+
+    def recording(store: SqliteStore) -> None:
+        events.append("fsync")
+        sync_wal(store)
+
+    monkeypatch.setattr(SqliteStore, "_sync_wal", recording)
+    connect = sqlite3.connect
+
+    def writer_connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        if "cached_statements" in kwargs:  # the writer's connection, not the checkpointer's
+            kwargs["factory"] = SlowCommit
+        return connect(*args, **kwargs)
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "s.db", FakeClock())
+        with mock.patch.object(sqlite3, "connect", writer_connect):
+            await store.open()
+        slow.set()
+        for _ in range(3):
+            events.clear()
+            decision = await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+            assert isinstance(decision.outcome, Granted)
+            assert events == ["commit", "fsync"]
+        await store.close()
+
+    asyncio.run(main())
+
+
 def test_a_failed_fsync_refuses_its_batches_and_everything_after(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
