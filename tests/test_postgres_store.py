@@ -1125,6 +1125,58 @@ def test_a_request_answered_503_while_its_batch_waited_is_not_decided(
     asyncio.run(main())
 
 
+async def until_a_store_waits_for_a_lock(url: str, schema: str) -> None:
+    """Return once one of the store's connections (named after ``schema``) waits for a
+    lock on the server; fail after 10 s."""
+    async with asyncio.timeout(10):
+        while True:
+            with admin(url) as conn:
+                row = conn.execute(
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE application_name = %s AND wait_event_type = 'Lock'",
+                    (schema,),
+                ).fetchone()
+            if row[0]:
+                return
+            await asyncio.sleep(0.01)
+
+
+def test_a_new_key_another_instance_creates_during_a_batch_is_decided_again(
+    make_store: StoreFactory, url: str, clock: FakeClock
+) -> None:
+    """Two new keys in one batch; another instance creates the row of one of them while
+    the batch inserts it (the batch's INSERT waits for that transaction, then does
+    nothing for the key). The other key is granted, and the taken one is decided again
+    against the row that won: held, by that instance's owner, never a second owner."""
+    store = make_store("postgres", max_batches=1)
+    mine, contested = new_id(), new_id()
+
+    async def main() -> None:
+        async with opened(store):
+            schema = store.schema  # type: ignore[attr-defined]
+            now = clock.now_ms()
+            with admin(url) as other:
+                other.execute("BEGIN")
+                other.execute(
+                    f"INSERT INTO {schema}.leasekeeper_leases VALUES "
+                    "(%s, NULL, %s, 1000, %s, %s, NULL, NULL, %s)",
+                    (contested, now + LIFECYCLE, new_id(), now + TTL, now),
+                )
+                batch = asyncio.gather(store.apply(acquire(mine)), store.apply(acquire(contested)))
+                await until_a_store_waits_for_a_lock(url, schema)
+                other.execute("COMMIT")
+                granted, taken = await batch
+            assert isinstance(granted.outcome, Granted)
+            assert granted.outcome.record.key_id == mine
+            assert isinstance(taken.outcome, Held), taken.outcome
+            assert taken.outcome.record.fencing_token == 1000
+            again = await store.apply(acquire(contested))
+            assert isinstance(again.outcome, Held)
+            assert again.outcome.record.fencing_token == 1000
+
+    asyncio.run(main())
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
