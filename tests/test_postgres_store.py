@@ -1177,6 +1177,46 @@ def test_a_new_key_another_instance_creates_during_a_batch_is_decided_again(
     asyncio.run(main())
 
 
+def test_without_a_clock_a_decision_runs_at_the_time_its_row_lock_came(
+    make_store: StoreFactory, url: str
+) -> None:
+    """The database clock is read after the batch's row locks are held, not when its
+    transaction began: a lease that ran out while the batch waited for its row (another
+    transaction held it) is taken by a new owner, not answered as held."""
+    store = make_store("postgres", clock=None)
+    key, owner = new_id(), new_id()
+
+    async def main() -> None:
+        async with opened(store):
+            schema = store.schema  # type: ignore[attr-defined]
+            first = await store.apply(acquire(key, owner, ttl_ms=2000))
+            assert isinstance(first.outcome, Granted)
+            expiry = first.outcome.record.lease_expires_ms
+            with admin(url) as blocker:
+                blocker.execute("BEGIN")
+                blocker.execute(
+                    f"SELECT 1 FROM {schema}.leasekeeper_leases WHERE key_id = %s FOR UPDATE",
+                    (key,),
+                )
+                waiting = asyncio.ensure_future(store.apply(acquire(key)))
+                await until_a_store_waits_for_a_lock(url, schema)
+                while True:  # the database clock passes the lease's expiry meanwhile
+                    with admin(url) as conn:
+                        (db_now,) = conn.execute(
+                            "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+                        ).fetchone()
+                    if db_now >= expiry:
+                        break
+                    await asyncio.sleep(0.05)
+                blocker.execute("COMMIT")
+            decision = await waiting
+            assert isinstance(decision.outcome, Granted), decision.outcome
+            assert decision.outcome.now_ms >= expiry
+            assert decision.outcome.record.fencing_token > first.outcome.record.fencing_token
+
+    asyncio.run(main())
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
