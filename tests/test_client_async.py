@@ -190,6 +190,50 @@ def test_async_lease_renews_and_releases(run_app: Callable[..., None], fake_time
     run_app(scenario)
 
 
+class _AnsweredLate(httpx.AsyncBaseTransport):
+    """Requests to ``route`` are decided by the app at once, and their answer takes
+    ``seconds`` of fake time to come back."""
+
+    def __init__(
+        self, inner: httpx.AsyncBaseTransport, time: FakeTime, route: str, seconds: float
+    ) -> None:
+        self.inner, self.time, self.route, self.seconds = inner, time, route, seconds
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        answer = await self.inner.handle_async_request(request)
+        if request.url.path.endswith(self.route):
+            self.time.clock.advance(self.seconds)
+        return answer
+
+
+@pytest.mark.parametrize("route", ["/lease", "/renew"], ids=["acquire", "renewal"])
+def test_async_local_expiry_counts_the_ttl_from_when_the_request_was_sent(
+    run_app: Callable[..., None], fake_time: FakeTime, route: str
+) -> None:
+    """As in the sync client: a grant answered 5 s late is counted from when its request
+    was sent, so at the service's expiry, when another worker can take the key, check()
+    says lost."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        client = fake_client(_AnsweredLate(transport, fake_time, route, 5), fake_time)
+        namespace = await client.create_namespace()
+        told: list[LeaseLost] = []
+        async with client.lease(namespace, KEY, ttl=30, on_lost=told.append) as lease:
+            if route == "/renew":
+                assert await worker_of(lease).step() and worker_of(lease).renewals == 1
+            fake_time.clock.advance(24.999)  # the request was sent 5 s ago: 1 ms is left
+            lease.check()
+            fake_time.clock.advance(0.001)  # the service's expiry
+            other = await fake_client(transport, fake_time).acquire(namespace, KEY)
+            assert isinstance(other, Lease)
+            with pytest.raises(LeaseLost, match="expired"):
+                lease.check()
+            await asyncio.sleep(0)
+            assert len(told) == 1
+
+    run_app(scenario)
+
+
 def test_async_server_taking_the_lease_away_sets_lost(
     run_app: Callable[..., None], fake_time: FakeTime, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -643,6 +643,46 @@ def test_a_renewal_request_never_waits_past_the_lease(
     assert timeouts == [pytest.approx(2.0), 10.0]
 
 
+def _answered_late(
+    api: Any, fake_time: FakeTime, route: str, seconds: float
+) -> Callable[[httpx.Request], httpx.Response | None]:
+    """A ``bridge`` fault: a request to ``route`` is decided by the service at once, and
+    its answer takes ``seconds`` (of fake time) to come back."""
+    app = bridge(api)
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        if not request.url.path.endswith(route):
+            return None
+        answer = app.handle_request(request)  # granted on the service now...
+        fake_time.clock.advance(seconds)  # ...and the answer is slow on its way back
+        return answer
+
+    return fault
+
+
+@pytest.mark.parametrize("route", ["/lease", "/renew"], ids=["acquire", "renewal"])
+def test_the_local_expiry_counts_the_ttl_from_when_the_request_was_sent(
+    api: Any, fake_time: FakeTime, namespace: str, route: str
+) -> None:
+    """A grant whose answer took 5 s to arrive: the service's lease runs from when it
+    decided, so the local expiry counts the TTL from when the request was sent, not
+    from the answer. At the service's expiry, when another worker can take the key,
+    check() already says lost (counted from the answer, it would say held 5 s more)."""
+    client = make_client(api, fake_time, fault=_answered_late(api, fake_time, route, 5))
+    told: list[LeaseLost] = []
+    with client.lease(namespace, KEY, ttl=30, on_lost=told.append) as lease:
+        if route == "/renew":
+            assert worker_of(lease).step() and worker_of(lease).renewals == 1
+        fake_time.clock.advance(24.999)  # the request was sent 5 s ago: 1 ms is left
+        lease.check()
+        fake_time.clock.advance(0.001)  # the service's expiry
+        other = make_client(api, fake_time).acquire(namespace, KEY)
+        assert isinstance(other, Lease)  # the service let it go
+        with pytest.raises(LeaseLost, match="expired"):
+            lease.check()
+        assert len(told) == 1
+
+
 def test_server_taking_the_lease_away_sets_lost(
     api: Any, fake_time: FakeTime, namespace: str, caplog: pytest.LogCaptureFixture
 ) -> None:
