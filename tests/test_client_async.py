@@ -820,3 +820,28 @@ def test_async_check_after_the_local_expiry_calls_on_lost(
             assert len(told) == 1
 
     run_app(scenario)
+
+
+def test_async_on_lost_is_called_once_when_the_worker_finds_the_expiry_too(
+    run_app: Callable[..., None], fake_time: FakeTime
+) -> None:
+    """check() past the local expiry reports the lease lost; the renewal task's next turn,
+    which finds the same expiry, does not report it again: on_lost runs once, and
+    lost_error keeps the first reason."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        client = fake_client(transport, fake_time)
+        namespace = await client.create_namespace()
+        told: list[LeaseLost] = []
+        async with client.lease(namespace, KEY, ttl=30, on_lost=told.append) as lease:
+            fake_time.clock.advance(30)
+            with pytest.raises(LeaseLost, match="expired"):
+                lease.check()
+            assert not await worker_of(lease).step()
+            await asyncio.sleep(0)
+            assert [error.error for error in told] == [
+                "The lease expired before a renewal succeeded"
+            ]
+            assert lease.lost_error is told[0]
+
+    run_app(scenario)

@@ -787,6 +787,41 @@ def test_a_renewal_unanswered_by_the_expiry_marks_the_lease_lost_then(
         assert renewals == [True]  # and no renewal was sent after it
 
 
+@pytest.mark.parametrize(
+    ("status", "body"),
+    [
+        (409, {"ok": False, "status": "lost", "error": "You do not hold this lease"}),
+        (503, {"ok": False, "status": "unavailable", "error": "down"}),
+    ],
+    ids=["lost", "unavailable"],
+)
+def test_on_lost_is_called_once_when_a_late_answer_ends_the_lease_again(
+    api: Any, fake_time: FakeTime, namespace: str, status: int, body: dict[str, Any]
+) -> None:
+    """A renewal still unanswered at the local expiry reports the lease lost then; its
+    answer, when it comes (lost, or a 503 that the worker retries past the expiry), does
+    not report it again: on_lost is called once, and lost_error keeps the first reason."""
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        if not request.url.path.endswith("/renew"):
+            return None
+        ManualThread.instances[-1].target()  # the answer is still on its way at the expiry
+        return httpx.Response(status, json=body)
+
+    client = make_client(api, fake_time, fault=fault)
+    told: list[LeaseLost] = []
+    with client.lease(namespace, KEY, ttl=30, on_lost=told.append) as lease:
+        worker = worker_of(lease)
+        turns = 0
+        while worker.step():
+            turns += 1
+            assert turns < 10
+        assert [error.error for error in told] == [
+            "The lease expired while a renewal was still waiting for its answer"
+        ]
+        assert lease.lost_error is told[0]
+
+
 def _stuck_renewals() -> tuple[threading.Event, threading.Event, Any]:
     """A ``bridge`` fault whose renewals hang until ``let_go`` is set: (in_flight,
     let_go, fault)."""
