@@ -765,6 +765,40 @@ def test_async_second_complete_after_an_unsure_one_was_stored_is_refused(
     run_app(scenario)
 
 
+class _CompleteUnreachable(httpx.AsyncBaseTransport):
+    """Every /lease/complete gets no answer; everything else reaches the app."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/complete"):
+            raise httpx.ConnectError("refused", request=request)
+        return await self.inner.handle_async_request(request)
+
+
+def test_async_once_stops_retrying_the_complete_at_the_leases_local_expiry(
+    run_app: Callable[..., None], fake_time: FakeTime
+) -> None:
+    """As in the sync client: a function that ran 6 s of a 10 s lease leaves 4 s, and a
+    complete that keeps failing is retried until then, not for a whole TTL."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        client = fake_client(_CompleteUnreachable(transport), fake_time)
+        namespace = await client.create_namespace()
+
+        @client.once(namespace, key="charge:23", ttl=10)
+        async def charge() -> int:
+            fake_time.clock.advance(6)  # the work takes its time
+            return 23
+
+        with pytest.raises(ServiceUnreachable):
+            await charge()
+        assert sum(w for w in fake_time.waits if w) == pytest.approx(4.0)
+
+    run_app(scenario)
+
+
 def test_async_once_gives_its_lease_and_stores_through_a_blip(
     run_app: Callable[..., None], fake_time: FakeTime
 ) -> None:

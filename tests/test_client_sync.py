@@ -1322,6 +1322,30 @@ def test_once_gives_up_on_storing_when_the_lease_would_end(
     assert sum(fake_time.waits) == pytest.approx(10.0)
 
 
+def test_once_stops_retrying_the_complete_at_the_leases_local_expiry(
+    api: Any, fake_time: FakeTime, namespace: str
+) -> None:
+    """A function that ran 6 s of a 10 s lease (no renewal here) leaves 4 s: a complete
+    that keeps failing is retried until the lease's local expiry, not for a whole TTL
+    after the failure, when the service has let the key go to the next caller."""
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        if request.url.path.endswith("/complete"):
+            raise httpx.ConnectError("refused", request=request)
+        return None
+
+    client = make_client(api, fake_time, fault=fault)
+
+    @client.once(namespace, key="charge:23", ttl=10)
+    def charge() -> int:
+        fake_time.clock.advance(6)  # the work takes its time
+        return 23
+
+    with pytest.raises(ServiceUnreachable):
+        charge()
+    assert sum(fake_time.waits) == pytest.approx(4.0)
+
+
 def test_once_with_another_fingerprint_is_a_conflict(client: LeaseClient, namespace: str) -> None:
     """Reusing a key with other input raises FingerprintConflict instead of a stale result."""
 
