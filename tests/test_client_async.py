@@ -190,6 +190,38 @@ def test_async_lease_renews_and_releases(run_app: Callable[..., None], fake_time
     run_app(scenario)
 
 
+def test_async_lease_block_that_raises_or_is_cancelled_still_releases(
+    run_app: Callable[..., None], fake_time: FakeTime
+) -> None:
+    """As in the sync client: a block left by an exception releases the lease, and so does
+    one whose task is cancelled (a timeout around the work, say): the key is free at once,
+    not after its TTL."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        client = fake_client(transport, fake_time)
+        namespace = await client.create_namespace()
+        with pytest.raises(ValueError, match="failed"):
+            async with client.lease(namespace, "raised", ttl=30):
+                raise ValueError("the work failed")
+        assert isinstance(await client.acquire(namespace, "raised"), Lease)
+
+        entered = asyncio.Event()
+
+        async def work() -> None:
+            async with client.lease(namespace, "cancelled", ttl=30):
+                entered.set()
+                await asyncio.Event().wait()
+
+        task = asyncio.create_task(work())
+        await entered.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert isinstance(await client.acquire(namespace, "cancelled"), Lease)
+
+    run_app(scenario)
+
+
 class _AnsweredLate(httpx.AsyncBaseTransport):
     """Requests to ``route`` are decided by the app at once, and their answer takes
     ``seconds`` of fake time to come back."""
