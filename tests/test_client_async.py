@@ -797,6 +797,32 @@ def test_async_second_complete_after_an_unsure_one_was_stored_is_refused(
     run_app(scenario)
 
 
+def test_async_a_lost_answer_is_not_taken_for_someone_elses_completion(
+    run_app: Callable[..., None], fake_time: FakeTime
+) -> None:
+    """A complete() that got no answer (not stored), called again after the lease expired
+    and another owner completed the key: told lost, the lookup finds the key completed
+    with another fence, which is not this owner's result: LeaseLost, not theirs."""
+
+    async def scenario(transport: httpx.AsyncBaseTransport) -> None:
+        client = fake_client(_CompleteFailsOnce(transport), fake_time)
+        namespace = await client.create_namespace()
+        async with client.lease(namespace, "charge:12", ttl=5) as lease:
+            with pytest.raises(ServiceUnreachable):
+                await lease.complete("mine")
+            fake_time.clock.advance(6)  # past this lease's expiry on the service too
+            other = await client.acquire(namespace, "charge:12")
+            assert isinstance(other, Lease)
+            await client.complete(namespace, "charge:12", other.owner_token, "theirs")
+            with pytest.raises(LeaseLost):
+                await lease.complete("mine")
+            assert not lease.completed and lease.result is None
+        again = await client.acquire(namespace, "charge:12")
+        assert isinstance(again, Completed) and again.result == "theirs"
+
+    run_app(scenario)
+
+
 class _CompleteUnreachable(httpx.AsyncBaseTransport):
     """Every /lease/complete gets no answer; everything else reaches the app."""
 
