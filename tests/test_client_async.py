@@ -21,6 +21,8 @@ from leasekeeper import (
     LeaseHeld,
     LeaseLost,
     LeaseService,
+    RateLimited,
+    ServiceUnavailable,
     ServiceUnreachable,
     Settings,
 )
@@ -166,6 +168,32 @@ def test_async_on_wait_may_be_a_coroutine_function(
         assert told == [("held", 0.25), ("held", 0.5), ("held", 1.0)]
 
     run_app(scenario)
+
+
+@pytest.mark.parametrize(
+    ("status", "body"),
+    [
+        (429, b'{"ok":false,"status":"rate_limited","error":"slow","retry_after_seconds":3}'),
+        (503, b"<html>bad gateway</html>"),
+    ],
+)
+def test_async_acquire_waits_at_least_retry_after_for_a_limit_or_an_outage(
+    fake_time: FakeTime, status: int, body: bytes
+) -> None:
+    """As in the sync client: a 429 or a 503 is not polled before its Retry-After (a held
+    key's poll is capped by it instead); the last try is at the deadline."""
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, content=body, headers={"retry-after": "3"})
+
+    async def scenario() -> None:
+        client = fake_client(httpx.MockTransport(refuse), fake_time)
+        with pytest.raises((RateLimited, ServiceUnavailable)):
+            await client.acquire(None, "k" * 40, wait=10)
+        assert fake_time.waits[:3] == [3, 3, 3]
+        assert sum(w for w in fake_time.waits if w) == pytest.approx(10.0)
+
+    asyncio.run(scenario())
 
 
 def test_async_lease_renews_and_releases(run_app: Callable[..., None], fake_time: FakeTime) -> None:
