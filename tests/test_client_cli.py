@@ -603,6 +603,34 @@ def test_a_second_signal_while_the_handlers_are_put_back(
     assert cli("acquire", "--key", "two").exit_code == 0  # released, and not stored
 
 
+def test_a_signal_after_the_command_ended_keeps_its_status_from_being_recorded(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM to run after the command has ended, before its status is stored: run was
+    asked to stop, so, as for one passed on to the command, the status is not recorded
+    (stderr says so, with it), run exits with it, and the lease is let go."""
+    real_status = _cli_module._shell_status
+
+    def status_during_a_signal(returncode: int) -> int:
+        os.kill(os.getpid(), signal.SIGTERM)  # the command is gone: run notes it
+        return real_status(returncode)
+
+    seen: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    monkeypatch.setattr(_cli_module, "_shell_status", status_during_a_signal)
+    try:
+        result = cli("run", "--key", "ended", "--complete", "--", "sh", "-c", "exit 3")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    monkeypatch.undo()
+    assert result.exit_code == 3, result.output
+    report = json.loads(result.stderr.splitlines()[-1])
+    assert report["status"] == "interrupted" and report["exit_code"] == 3
+    assert "run was sent SIGTERM: the command's status is not recorded" in report["error"]
+    assert seen == []
+    assert cli("acquire", "--key", "ended").exit_code == 0  # not recorded, and released
+
+
 def test_a_signal_while_the_lease_is_released_does_not_cut_the_release_short(
     cli: Cli, monkeypatch: pytest.MonkeyPatch
 ) -> None:
