@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
+import random
 import socket
 import threading
 import time
@@ -28,7 +30,7 @@ from starlette.testclient import TestClient
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from leasekeeper import LeaseService, Settings
-from leasekeeper._limits import RateLimiter
+from leasekeeper._limits import RateLimiter, client_address
 from leasekeeper.http import create_app
 from leasekeeper.http._app import _larger_than
 from leasekeeper.http._protocol import MAX_PIPELINED, guard_protocol
@@ -111,6 +113,56 @@ def test_one_ipv6_host_rotating_through_its_64_shares_one_budget(
     plain = TestClient(app, client=("192.0.2.9", 4000))
     assert [mapped.post(f"{BASE}/lease/namespace").status_code for _ in range(100)] == [201] * 100
     assert plain.post(f"{BASE}/lease/namespace").status_code == 429
+
+
+def test_a_64_is_counted_whole_whatever_the_interface_id(monotonic: FakeMonotonic) -> None:
+    """The /64 is the address's first 64 bits: addresses of one /64 that differ anywhere in
+    their last 64 (not just in the last few, as SLAAC privacy addresses do) share one
+    budget, and the /64 next to it has its own."""
+    app = create_app(LeaseService(MemoryStore()), Settings(), monotonic=monotonic)
+    rng = random.Random(64)
+    codes = []
+    for _ in range(101):
+        interface = rng.getrandbits(64) | 1 << 63  # the top bit set: far from ::1
+        host = str(ipaddress.IPv6Address(0x2001_0DB8_0001_0002 << 64 | interface))
+        codes.append(TestClient(app, client=(host, 4000)).post(f"{BASE}/lease/namespace"))
+    assert [c.status_code for c in codes] == [201] * 100 + [429]
+    assert client_address({"client": ("2001:db8:1:2:ffff:ffff:ffff:ffff", 1)}) == (
+        "2001:db8:1:2::/64"
+    )
+    neighbour = TestClient(app, client=("2001:db8:1:3::", 4000))
+    assert neighbour.post(f"{BASE}/lease/namespace").status_code == 201
+
+
+def test_retry_after_is_the_wait_rounded_up(monotonic: FakeMonotonic) -> None:
+    """At a rate whose waits are not whole seconds, Retry-After and retry_after_seconds
+    are the wait rounded up, never down: at 0.4 mints a second an empty bucket is 2.5 s
+    from its next token (3, not 2), and 2.4 s later it still has none."""
+    client, _ = clients(monotonic, namespace_rate=0.4, namespace_burst=1)
+    assert client.post(f"{BASE}/lease/namespace").status_code == 201
+    refused = client.post(f"{BASE}/lease/namespace")
+    assert refused.status_code == 429
+    assert refused.headers["retry-after"] == "3" and refused.json()["retry_after_seconds"] == 3
+    monotonic.advance(1.0)  # 0.4 of a token: 1.5 s to go
+    refused = client.post(f"{BASE}/lease/namespace")
+    assert refused.headers["retry-after"] == "2" and refused.json()["retry_after_seconds"] == 2
+    monotonic.advance(1.4)  # 2.4 s after the first refusal: 0.96 of a token
+    assert client.post(f"{BASE}/lease/namespace").status_code == 429
+    monotonic.advance(0.2)  # past the 2.5 s
+    assert client.post(f"{BASE}/lease/namespace").status_code == 201
+    limiter = RateLimiter(0.3, 1, monotonic=monotonic)
+    assert limiter.take("a") is None and limiter.take("a") == 4  # 3.33 s
+
+
+def test_an_idle_address_saves_up_no_more_than_its_burst(monotonic: FakeMonotonic) -> None:
+    """Tokens refill up to the burst and no further: an address idle for an hour mints
+    100 namespaces (the burst), not 36,000, and then waits like any other."""
+    attacker, _ = clients(monotonic)
+    assert attacker.post(f"{BASE}/lease/namespace").status_code == 201
+    monotonic.advance(3600)
+    codes = [attacker.post(f"{BASE}/lease/namespace").status_code for _ in range(150)]
+    assert codes.count(201) == 100 and codes.count(429) == 50
+    assert codes == [201] * 100 + [429] * 50
 
 
 def test_names_that_are_no_address_share_one_small_bucket(monotonic: FakeMonotonic) -> None:
