@@ -115,6 +115,32 @@ def test_bad_values_name_the_variable(name: str, value: str) -> None:
         Settings.from_env({name: value})
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "LEASEKEEPER_LIFECYCLE_SECONDS",
+        "LEASEKEEPER_CLEANUP_INTERVAL_SECONDS",
+        "LEASEKEEPER_CLEANUP_BATCH",
+        "LEASEKEEPER_STORE_TIMEOUT_SECONDS",
+        "LEASEKEEPER_POSTGRES_POOL_SIZE",
+        "LEASEKEEPER_MAX_BODY_BYTES",  # every request body would be 413
+        "LEASEKEEPER_MAX_CONNECTIONS",  # every request would be 503
+        "LEASEKEEPER_REQUEST_TIMEOUT_SECONDS",  # no time at all to send headers or a body
+        "LEASEKEEPER_KEEP_ALIVE_SECONDS",
+        "LEASEKEEPER_NAMESPACE_BURST",  # no namespace could ever be minted
+        "LEASEKEEPER_ADDRESS_BURST",
+        "LEASEKEEPER_NAMESPACE_REQUEST_BURST",
+        "LEASEKEEPER_PORT",  # uvicorn would listen on a port of the kernel's choosing
+    ],
+)
+def test_a_zero_is_refused_where_a_setting_must_be_positive(name: str) -> None:
+    """Each size, count, length of time and burst that only works above 0 refuses 0 at
+    start, naming the variable, rather than start a server that refuses everything."""
+    with pytest.raises(SettingsError, match=name):
+        Settings.from_env({name: "0"})
+    assert Settings.from_env({name: "1"})
+
+
 def test_the_largest_lifecycle_and_store_timeout_are_accepted() -> None:
     """10 years, 32767 s and 100,000 records a cleanup step: the bounds themselves start."""
     settings = Settings.from_env(
