@@ -659,6 +659,54 @@ def test_requests_over_the_in_flight_cap_get_json_503(tmp_path: Path) -> None:
     assert metric(metrics, "leasekeeper_request_seconds_count", route="acquire") == 20
 
 
+def test_the_in_flight_cap_is_max_connections_exactly() -> None:
+    """With LEASEKEEPER_MAX_CONNECTIONS=2, two requests in flight (held by the store) are
+    the cap: a third is refused 503 at once, and once they are answered one is served."""
+    from leasekeeper.store import MemoryStore
+
+    class Holding(MemoryStore):
+        """Holds every decision until ``go``; ``arrived`` once two are waiting."""
+
+        def __init__(self) -> None:
+            super().__init__(FakeClock())
+            self.go = asyncio.Event()
+            self.arrived = asyncio.Event()
+            self.waiting = 0
+
+        async def apply(self, command: Any) -> Any:
+            self.waiting += 1
+            if self.waiting == 2:
+                self.arrived.set()
+            await self.go.wait()
+            return await super().apply(command)
+
+    async def main() -> tuple[list[int], int, int]:
+        store = Holding()
+        service = LeaseService(store)
+        app = create_app(service, Settings(max_connections=2), run_cleanup=False)
+        await service.start()
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                ns = "ns_" + "D" * 42 + "A"
+                held = [
+                    asyncio.create_task(
+                        client.post("/services/v1/lease", json={"namespace": ns, "key": key})
+                    )
+                    for key in ("a", "b")
+                ]
+                await asyncio.wait_for(store.arrived.wait(), 10)
+                third = (await client.get("/healthz")).status_code
+                store.go.set()
+                codes = [(await task).status_code for task in held]
+                return codes, third, (await client.get("/healthz")).status_code
+        finally:
+            await service.stop()
+
+    codes, third, after = asyncio.run(main())
+    assert codes == [201, 201] and third == 503 and after == 200
+
+
 def test_connections_over_the_cap_get_json_503(tmp_path: Path) -> None:
     """LEASEKEEPER_MAX_CONNECTIONS connections are served, one more is not; uvicorn's own
     connection-limit answer is JSON too (its plain-text default is replaced), with every
