@@ -357,10 +357,12 @@ def answer(sock: socket.socket) -> tuple[int, dict[str, str], Any, float]:
 
 @pytest.mark.slow
 def test_a_connection_that_sends_nothing_is_closed(server: Server) -> None:
-    """Connect and stay silent: 408 timeout (JSON) after the request timeout, then closed."""
+    """Connect and stay silent: 408 timeout (JSON) after the request timeout, then closed;
+    with every response's security headers, though no app wrote it."""
     status, headers, body, took = answer(connect(server))
     assert (status, body["status"]) == (408, "timeout")
     assert headers["connection"] == "close" and headers["cache-control"] == "no-store"
+    assert headers["x-content-type-options"] == "nosniff"
     assert TIMEOUT * 0.8 <= took <= TIMEOUT + 2
 
 
@@ -390,6 +392,7 @@ def test_endless_headers_are_cut_off_at_64_kib(server: Server) -> None:
     status, headers, body, _ = answer(sock)
     assert (status, body["status"]) == (431, "too_large")
     assert headers["connection"] == "close" and headers["cache-control"] == "no-store"
+    assert headers["x-content-type-options"] == "nosniff"
     sock = connect(server)
     sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + line * 60 + b"\r\n")
     status, _, body, _ = answer(sock)
@@ -464,7 +467,8 @@ def test_a_target_longer_than_the_url_parser_reads_is_431_not_malformed(server: 
         status, headers, body, _ = answer(sock)
         assert status == expected, body
     assert body["status"] == "too_large" and "target" in body["error"]
-    assert headers["connection"] == "close"
+    assert headers["connection"] == "close" and headers["cache-control"] == "no-store"
+    assert headers["x-content-type-options"] == "nosniff"
 
 
 def _slow_bodies(server: Server) -> float:
@@ -510,12 +514,15 @@ def test_a_body_that_does_not_arrive_is_cut_off(server: Server, sent: bytes, pat
     ],
 )
 def test_malformed_http_gets_a_json_400(server: Server, request_bytes: bytes) -> None:
-    """What the HTTP parser refuses is answered 400 invalid in JSON, like everything else."""
+    """What the HTTP parser refuses is answered 400 invalid in JSON, like everything else,
+    with the headers of every response."""
     sock = connect(server)
     sock.sendall(request_bytes)
     status, headers, body, _ = answer(sock)
     assert (status, body["status"]) == (400, "invalid")
     assert headers["content-type"] == "application/json"
+    assert headers["cache-control"] == "no-store"
+    assert headers["x-content-type-options"] == "nosniff"
 
 
 @pytest.mark.slow
