@@ -399,6 +399,32 @@ def test_endless_headers_are_cut_off_at_64_kib(server: Server) -> None:
     assert status == 200 and body["ok"] is True
 
 
+@pytest.mark.slow
+def test_the_head_bound_is_per_request_on_a_kept_alive_connection(server: Server) -> None:
+    """The 64 KiB are counted afresh for each request: 20 requests on one connection, each
+    head 8 KiB that arrives in two reads (160 KiB of heads in all), are all served."""
+    sock = connect(server)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    line = b"X-Pad: " + b"a" * 1017 + b"\r\n"  # 1 KiB
+    statuses = []
+    with contextlib.suppress(OSError):  # a connection closed on us: its statuses say so
+        for _ in range(20):
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + line * 8)
+            time.sleep(0.05)  # read by the server before the head's end comes
+            sock.sendall(b"\r\n")
+            head = b""
+            while b"\r\n\r\n" not in head and (chunk := sock.recv(1)):
+                head += chunk
+            if not head:
+                break
+            statuses.append(int(head.split()[1]))
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            while length and (chunk := sock.recv(length)):
+                length -= len(chunk)
+    sock.close()
+    assert statuses == [200] * 20
+
+
 @contextlib.contextmanager
 def serving(app: Any) -> Iterator[str]:
     """``app`` served in this process by uvicorn's httptools protocol, guarded as
