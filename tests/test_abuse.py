@@ -196,6 +196,33 @@ def test_a_namespace_flood_is_refused_when_the_namespace_limit_is_on(
     serves_normally(attacker, quiet)
 
 
+@pytest.mark.slow
+def test_x_forwarded_for_is_taken_from_a_loopback_proxy_alone(tmp_path: Path) -> None:
+    """``leasekeeper serve`` counts a connection from 127.0.0.1 (a proxy on the host) by the
+    address its X-Forwarded-For names, and any other peer by its own address whatever it
+    names: from 127.0.0.2, three mints naming three addresses spend one budget of 2."""
+    env = {"LEASEKEEPER_NAMESPACE_BURST": "2", "LEASEKEEPER_NAMESPACE_RATE": "0.001"}
+    with running_server(f"sqlite:///{tmp_path / 'xff.db'}", tmp_path / "log", env) as server:
+
+        def mints(source: str, named: list[str]) -> list[int]:
+            transport = httpx.HTTPTransport(local_address=source)
+            with httpx.Client(transport=transport, timeout=5) as client:
+                return [
+                    client.post(
+                        f"{server.api}/lease/namespace", headers={"x-forwarded-for": name}
+                    ).status_code
+                    for name in named
+                ]
+
+        proxied = ["203.0.113.1", "203.0.113.2", "203.0.113.3", "203.0.113.1", "203.0.113.1"]
+        assert mints("127.0.0.1", proxied) == [201, 201, 201, 201, 429]
+        try:
+            spoofed = mints("127.0.0.2", ["198.51.100.1", "198.51.100.2", "198.51.100.3"])
+        except httpx.ConnectError:  # no 127.0.0.2 to send from (not Linux)
+            pytest.skip("needs a loopback address other than 127.0.0.1")
+        assert spoofed == [201, 201, 429]
+
+
 def test_request_limits_are_off_by_default() -> None:
     """SPEC.md stands over the issue: per-address and per-namespace limits default to off."""
     settings = Settings.from_env({})
