@@ -453,16 +453,24 @@ def test_the_head_bound_is_per_request_on_a_kept_alive_connection(server: Server
 
 
 @contextlib.contextmanager
-def serving(app: Any) -> Iterator[str]:
+def serving(app: Any, request_timeout: float = 5.0) -> Iterator[str]:
     """``app`` served in this process by uvicorn's httptools protocol, guarded as
     ``leasekeeper serve`` guards it; yields its URL."""
+    with uvicorn_serving(app, request_timeout) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def uvicorn_serving(app: Any, request_timeout: float) -> Iterator[tuple[str, uvicorn.Server]]:
+    """As ``serving``, and yields the uvicorn server too (its open connections are in
+    ``server.server_state.connections``)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     port = free_port()
     config = uvicorn.Config(
         app,
         port=port,
-        http=guard_protocol(HttpToolsProtocol, 5.0),
+        http=guard_protocol(HttpToolsProtocol, request_timeout),
         loop="asyncio",
         log_config=None,
         lifespan="on",
@@ -474,7 +482,7 @@ def serving(app: Any) -> Iterator[str]:
         deadline = time.monotonic() + 10
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", server
     finally:
         server.should_exit = True
         thread.join(10)
@@ -963,6 +971,34 @@ def test_a_client_that_does_not_read_its_answers_is_dropped(server: Server) -> N
     # The request still running when the connection was dropped writes nothing to it
     # (uvicorn told only the request parsed last: a traceback per dropped client).
     assert "Traceback" not in server.log.read_text()
+
+
+@pytest.mark.slow
+def test_a_client_that_does_not_read_its_answers_gives_its_connection_back() -> None:
+    """Dropped means gone: once its answers have filled the buffers and the request
+    timeout has passed, the connection of a client that never reads is no longer the
+    server's, though the client keeps its socket open and still reads nothing. (Closing
+    it gently would wait for that client to read what is left: a slot held for ever.)"""
+    timeout = 0.5
+    app = create_app(LeaseService(MemoryStore()), run_cleanup=False)
+    with uvicorn_serving(app, timeout) as (url, server):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        sock.settimeout(timeout)
+        request = b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n"
+        started = time.monotonic()
+        with contextlib.suppress(OSError):  # until the server drops the connection
+            while time.monotonic() - started < timeout * 4:
+                sock.sendall(request * 8)  # few enough to wait their turn, not overflow
+                time.sleep(0.02)
+        connections = server.server_state.connections
+        deadline = time.monotonic() + timeout + 5  # real time: the server's timer runs
+        while connections and time.monotonic() < deadline:
+            time.sleep(0.05)
+        still_open = len(connections)
+        sock.close()
+        assert still_open == 0
 
 
 def rss_kib(server: Server) -> int:
