@@ -382,6 +382,78 @@ def answer(sock: socket.socket) -> tuple[int, dict[str, str], Any, float]:
     return status, headers, json.loads(body), time.monotonic() - started
 
 
+class RecordingLoop:
+    """The event loop as the guarded protocol sees it, with time in the test's hands:
+    ``call_later`` records each timer, which the test fires when it likes."""
+
+    class Timer:
+        def __init__(self, delay: float, callback: Callable[[], None]) -> None:
+            self.delay, self.callback, self.cancelled = delay, callback, False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+    def __init__(self) -> None:
+        self.timers: list[RecordingLoop.Timer] = []
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> Timer:
+        timer = self.Timer(delay, callback)
+        self.timers.append(timer)
+        return timer
+
+    def live(self) -> list[tuple[float, Callable[[], None]]]:
+        return [(timer.delay, timer.callback) for timer in self.timers if not timer.cancelled]
+
+
+class RecordingTransport:
+    """A connection's transport that keeps what the server writes."""
+
+    def __init__(self) -> None:
+        self.written = b""
+        self.closed = False
+
+    def get_extra_info(self, name: str) -> Any:
+        return {"peername": ("192.0.2.1", 5000), "sockname": ("127.0.0.1", 8787)}.get(name)
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None: ...
+    def resume_reading(self) -> None: ...
+
+
+def test_the_header_deadline_is_the_request_timeout_from_the_first_byte() -> None:
+    """With its clock in the test's hands: a connection starts the header timer at exactly
+    the request timeout; bytes of a head that has not ended leave it as it was (a trickle
+    does not extend it); when it fires, the client gets the JSON 408 with every response's
+    headers, the connection is closed, and the slow client is counted."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.server import ServerState
+
+    counted: list[str] = []
+    protocol_class = guard_protocol(HttpToolsProtocol, 7.5, on_timeout=lambda: counted.append(""))
+    config = uvicorn.Config(create_app(LeaseService(MemoryStore())), log_config=None)
+    loop, transport = RecordingLoop(), RecordingTransport()
+    protocol: Any = protocol_class(config, ServerState(), {}, loop)  # type: ignore[call-arg]
+    protocol.connection_made(transport)
+    assert [delay for delay, _ in loop.live()] == [7.5]
+    for part in (b"POST /services/v1/lease HTTP/1.1\r\n", b"Host: x\r\n", b"X-Slow: 1\r\n"):
+        protocol.data_received(part)
+    ((delay, expire),) = loop.live()
+    assert delay == 7.5 and transport.written == b""
+    expire()
+    head, _, body = transport.written.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and transport.closed and counted == [""]
+    assert b"cache-control: no-store" in head and b"x-content-type-options: nosniff" in head
+    assert json.loads(body)["status"] == "timeout"
+
+
 @pytest.mark.slow
 def test_a_connection_that_sends_nothing_is_closed(server: Server) -> None:
     """Connect and stay silent: 408 timeout (JSON) after the request timeout, then closed;
