@@ -302,6 +302,38 @@ def test_a_body_that_stops_arriving_is_cut_off_in_process() -> None:
         assert BODY_TIMEOUT <= took < BODY_TIMEOUT + 1
 
 
+def test_the_body_deadline_is_the_request_timeout() -> None:
+    """The body's deadline is LEASEKEEPER_REQUEST_TIMEOUT_SECONDS exactly, not some
+    multiple of it: on a loop whose timers run a thousand times fast, a body that stops
+    arriving with a timeout of 7.5 s is cut off by a timer of 7.5 s (7.5 ms of real time),
+    and no other timer of the request's comes due before it."""
+    app = create_app(
+        LeaseService(MemoryStore()), Settings(request_timeout_seconds=7.5), run_cleanup=False
+    )
+    scope = {"type": "http", "method": "POST", "path": f"{BASE}/lease", "headers": []}
+    part = {"type": "http.request", "body": b'{"key": "', "more_body": True}
+    sent: list[dict[str, Any]] = []
+    asked: list[float] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        call_later = loop.call_later
+
+        def fast(delay: float, callback: Any, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:
+            asked.append(delay)
+            return call_later(delay / 1000, callback, *args, **kwargs)
+
+        loop.call_later = fast  # type: ignore[method-assign]
+        await app({**scope, "client": ("127.0.0.1", 1)}, messages_then([part], 1.0), send)
+
+    asyncio.run(run())
+    assert (sent[0]["status"], json.loads(sent[1]["body"])["status"]) == (408, "timeout")
+    assert asked == [1.0, 7.5, 3600]  # the part's wait, the deadline, the wait for more
+
+
 def test_a_body_that_arrives_in_time_is_served_in_process() -> None:
     """A body that has to be waited for, in one part or in several, is a normal request."""
     key = f'"{uuid.uuid4()}"}}'
