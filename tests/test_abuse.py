@@ -565,16 +565,19 @@ def serving(app: Any, request_timeout: float = 5.0) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def uvicorn_serving(app: Any, request_timeout: float) -> Iterator[tuple[str, uvicorn.Server]]:
-    """As ``serving``, and yields the uvicorn server too (its open connections are in
-    ``server.server_state.connections``)."""
+def uvicorn_serving(
+    app: Any, request_timeout: float, protocol: type[asyncio.Protocol] | None = None
+) -> Iterator[tuple[str, uvicorn.Server]]:
+    """As ``serving`` (on ``protocol``, httptools' by default), and yields the uvicorn
+    server too (its open connections are in ``server.server_state.connections``)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     port = free_port()
     config = uvicorn.Config(
         app,
         port=port,
-        http=guard_protocol(HttpToolsProtocol, request_timeout),
+        http=guard_protocol(protocol or HttpToolsProtocol, request_timeout),
+        # asyncio's loop: uvicorn before 0.36 would make uvloop's policy the process's.
         loop="asyncio",
         log_config=None,
         lifespan="on",
@@ -959,25 +962,8 @@ def test_an_offer_changes_nothing_about_the_body_limits(
 def test_the_h11_protocol_serves_an_offer_with_its_body_too() -> None:
     """Without httptools, uvicorn's h11 protocol (guarded, but with no upgrade mixin)
     ignores the offer by itself: the acquire and the request after it are served."""
-    port = free_port()
     app = create_app(LeaseService(MemoryStore()), run_cleanup=False)
-    config = uvicorn.Config(
-        app,
-        port=port,
-        http=guard_protocol(H11Protocol, 5.0),
-        # asyncio's loop: uvicorn before 0.36 would make uvloop's policy the process's.
-        loop="asyncio",
-        log_config=None,
-        lifespan="on",
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        url = f"http://127.0.0.1:{port}"
+    with uvicorn_serving(app, 5.0, H11Protocol) as (url, _):
         ns = httpx.post(f"{url}{BASE}/lease/namespace").json()["namespace"]
         head, body = acquire_with_offer(ns, "h11")
         answers = exchange(url, head, body + LAST)
@@ -985,9 +971,6 @@ def test_the_h11_protocol_serves_an_offer_with_its_body_too() -> None:
             (201, "held"),
             (200, "alive"),
         ]
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 # -- pipelining: requests sent ahead of their answers ------------------------------------------

@@ -563,6 +563,22 @@ class TestFencingTokens:
         assert seen == sorted(seen) and len(set(seen)) == len(seen)
 
 
+class _Broken:
+    """A store that fails as no store should: ``apply`` and ``ping`` raise unforeseen
+    errors, whose text must reach no client."""
+
+    async def open(self) -> None: ...
+    async def close(self) -> None: ...
+    async def ping(self) -> None:
+        raise RuntimeError("boom in ping")
+
+    async def purge(self, limit: int, after: bytes | None = None) -> Any:
+        return None
+
+    async def apply(self, command: Any) -> Any:
+        raise RuntimeError("boom with detail /etc/secret")
+
+
 class TestTransport:
     @pytest.mark.parametrize(
         "content_type", [None, "text/plain", "application/x-www-form-urlencoded"]
@@ -739,27 +755,12 @@ class TestTransport:
         assert api.client.get("/healthz").status_code == 200
 
     def test_unexpected_errors_are_500_without_details(
-        self, make_api: ApiFactory, make_store: Any, caplog: pytest.LogCaptureFixture
+        self, make_api: ApiFactory, caplog: pytest.LogCaptureFixture
     ) -> None:
         """A fault inside the service is 500 internal with no details; the log names
         the route, not the path the client sent."""
 
-        class Broken:
-            def __init__(self) -> None:
-                self.inner = make_store("memory")
-
-            async def open(self) -> None: ...
-            async def close(self) -> None: ...
-            async def ping(self) -> None:
-                raise RuntimeError("boom in ping")
-
-            async def purge(self, limit: int, after: bytes | None = None) -> Any:
-                return None
-
-            async def apply(self, command: Any) -> Any:
-                raise RuntimeError("boom with detail /etc/secret")
-
-        api = make_api(store=Broken())  # type: ignore[arg-type]
+        api = make_api(store=_Broken())  # type: ignore[arg-type]
         response = api.acquire(namespace=api.namespace(), key=KEY)
         body = error(response, 500, "internal")
         assert body == {"ok": False, "status": "internal", "error": "Internal error"}
@@ -772,7 +773,7 @@ class TestTransport:
         assert logged.getMessage() == "unhandled error on GET readyz"
 
     def test_an_unexpected_error_answered_is_not_passed_on_to_the_server(
-        self, make_api: ApiFactory, make_store: Any, caplog: pytest.LogCaptureFixture
+        self, make_api: ApiFactory, caplog: pytest.LogCaptureFixture
     ) -> None:
         """A fault on a route Starlette serves (/readyz, /metrics, /mcp) is answered 500
         and logged once, by leasekeeper. Starlette raised it again after the answer, for
@@ -781,16 +782,7 @@ class TestTransport:
         fails this test (TestClient raises it, as uvicorn logs it)."""
         from starlette.testclient import TestClient
 
-        class Broken:
-            def __init__(self) -> None:
-                self.inner = make_store("memory")
-
-            async def open(self) -> None: ...
-            async def close(self) -> None: ...
-            async def ping(self) -> None:
-                raise RuntimeError("boom in ping")
-
-        api = make_api(store=Broken())  # type: ignore[arg-type]
+        api = make_api(store=_Broken())  # type: ignore[arg-type]
         client = TestClient(api.app, raise_server_exceptions=True)
         caplog.clear()
         with caplog.at_level("ERROR"):
