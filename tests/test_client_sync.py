@@ -1300,18 +1300,20 @@ def test_a_lost_answer_is_not_taken_for_someone_elses_completion(
     assert isinstance(again, Completed) and again.result == "theirs"
 
 
+def _complete_unreachable(request: httpx.Request) -> httpx.Response | None:
+    """A fault: every /lease/complete gets no answer; everything else reaches the app."""
+    if request.url.path.endswith("/complete"):
+        raise httpx.ConnectError("refused", request=request)
+    return None
+
+
 def test_once_gives_up_on_storing_when_the_lease_would_end(
     api: Any, fake_time: FakeTime, namespace: str
 ) -> None:
     """A complete that keeps failing is retried until the lease's local expiry (here no
     renewal runs), then its last error is raised: the result may not be stored."""
 
-    def fault(request: httpx.Request) -> httpx.Response | None:
-        if request.url.path.endswith("/complete"):
-            raise httpx.ConnectError("refused", request=request)
-        return None
-
-    client = make_client(api, fake_time, fault=fault)
+    client = make_client(api, fake_time, fault=_complete_unreachable)
 
     @client.once(namespace, key="charge:8", ttl=10)
     def charge() -> int:
@@ -1329,12 +1331,7 @@ def test_once_stops_retrying_the_complete_at_the_leases_local_expiry(
     that keeps failing is retried until the lease's local expiry, not for a whole TTL
     after the failure, when the service has let the key go to the next caller."""
 
-    def fault(request: httpx.Request) -> httpx.Response | None:
-        if request.url.path.endswith("/complete"):
-            raise httpx.ConnectError("refused", request=request)
-        return None
-
-    client = make_client(api, fake_time, fault=fault)
+    client = make_client(api, fake_time, fault=_complete_unreachable)
 
     @client.once(namespace, key="charge:23", ttl=10)
     def charge() -> int:
