@@ -62,8 +62,27 @@ def test_an_empty_variable_gives_the_default() -> None:
 def test_an_empty_host_flag_is_refused_not_every_interface(host: str) -> None:
     """``--host ""`` would have uvicorn listen on every interface: refused, naming what to
     write for that."""
-    with pytest.raises(SettingsError, match=r"LEASEKEEPER_HOST.*0\.0\.0\.0"):
+    with pytest.raises(SettingsError, match=r"^--host must .*0\.0\.0\.0"):
         Settings.from_env({}, host=host)
+
+
+def test_a_refused_flag_is_named_as_the_flag_and_a_variable_as_the_variable() -> None:
+    """The error names where the value came from: ``serve --host ''`` had been told that
+    LEASEKEEPER_HOST was wrong, a variable that was not even set."""
+    from click.testing import CliRunner
+
+    from leasekeeper.cli import main
+
+    done = CliRunner().invoke(main, ["serve", "--host", " "], env={"LEASEKEEPER_HOST": None})
+    assert done.exit_code == 2
+    assert "--host must be an address to listen on" in done.output
+    assert "LEASEKEEPER_HOST" not in done.output
+    with pytest.raises(SettingsError, match=r"^LEASEKEEPER_PORT must be"):
+        Settings.from_env({"LEASEKEEPER_PORT": "70000"})
+    with pytest.raises(SettingsError, match=r"^--port must be"):
+        Settings.from_env({"LEASEKEEPER_PORT": "8000"}, port=70000)
+    with pytest.raises(SettingsError, match=r"^LEASEKEEPER_LIFECYCLE_SECONDS must be greater"):
+        Settings.from_env({"LEASEKEEPER_LIFECYCLE_SECONDS": "0"}, port=8000)
 
 
 def test_unknown_leasekeeper_variables_are_named_with_the_closest_setting() -> None:

@@ -67,7 +67,8 @@ _NOT_SETTINGS = frozenset(
 
 
 class SettingsError(ValueError):
-    """An environment variable has a value leasekeeper cannot use."""
+    """A setting has a value leasekeeper cannot use; the message names the environment
+    variable, or the command's flag when the value came from one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,62 +107,71 @@ class Settings:
             if raw is None or not raw.strip():  # set but empty (or spaces): the default
                 continue
             values[field.name] = _cast(name, raw, _CASTS[field.name])
-        values.update({k: v for k, v in overrides.items() if v is not None})
+        flags = {k for k, v in overrides.items() if v is not None}
+        values.update({k: overrides[k] for k in flags})
         settings = cls(**values)
-        settings._check()
+        settings._check(flags)
         return settings
 
-    def _check(self) -> None:
-        positive = {
-            "LEASEKEEPER_LIFECYCLE_SECONDS": self.lifecycle_seconds,
-            "LEASEKEEPER_CLEANUP_INTERVAL_SECONDS": self.cleanup_interval_seconds,
-            "LEASEKEEPER_CLEANUP_BATCH": self.cleanup_batch,
-            "LEASEKEEPER_STORE_TIMEOUT_SECONDS": self.store_timeout_seconds,
-            "LEASEKEEPER_POSTGRES_POOL_SIZE": self.postgres_pool_size,
-            "LEASEKEEPER_MAX_BODY_BYTES": self.max_body_bytes,
-            "LEASEKEEPER_MAX_CONNECTIONS": self.max_connections,
-            "LEASEKEEPER_REQUEST_TIMEOUT_SECONDS": self.request_timeout_seconds,
-            "LEASEKEEPER_KEEP_ALIVE_SECONDS": self.keep_alive_seconds,
-            "LEASEKEEPER_NAMESPACE_BURST": self.namespace_burst,
-            "LEASEKEEPER_ADDRESS_BURST": self.address_burst,
-            "LEASEKEEPER_NAMESPACE_REQUEST_BURST": self.namespace_request_burst,
-        }
-        for name, value in positive.items():
-            if value <= 0:
-                raise SettingsError(f"{name} must be greater than 0")
-        rates = {
-            "LEASEKEEPER_LIVE_LEASES_INTERVAL_SECONDS": self.live_leases_interval_seconds,
-            "LEASEKEEPER_NAMESPACE_RATE": self.namespace_rate,
-            "LEASEKEEPER_ADDRESS_RATE": self.address_rate,
-            "LEASEKEEPER_NAMESPACE_REQUEST_RATE": self.namespace_request_rate,
-        }
-        for name, rate in rates.items():
-            if rate < 0:
-                raise SettingsError(f"{name} must be 0 (off) or a positive number")
+    def _check(self, flags: set[str]) -> None:
+        """Refuse values the server cannot run with, naming where each came from: the
+        ``LEASEKEEPER_*`` variable, or the command's flag for those in ``flags``."""
+
+        def name(field: str) -> str:
+            if field in flags:
+                return "--" + field.replace("_", "-")
+            return _PREFIX + field.upper()
+
+        positive = (
+            "lifecycle_seconds",
+            "cleanup_interval_seconds",
+            "cleanup_batch",
+            "store_timeout_seconds",
+            "postgres_pool_size",
+            "max_body_bytes",
+            "max_connections",
+            "request_timeout_seconds",
+            "keep_alive_seconds",
+            "namespace_burst",
+            "address_burst",
+            "namespace_request_burst",
+        )
+        for field in positive:
+            if getattr(self, field) <= 0:
+                raise SettingsError(f"{name(field)} must be greater than 0")
+        rates = (
+            "live_leases_interval_seconds",
+            "namespace_rate",
+            "address_rate",
+            "namespace_request_rate",
+        )
+        for field in rates:
+            if getattr(self, field) < 0:
+                raise SettingsError(f"{name(field)} must be 0 (off) or a positive number")
         # Past these a valid-looking value broke the server: a lifecycle of 10**16 s made
         # every acquire a 500 (no SQLite integer holds its end) and one of 10**11 s wrote
         # five-digit years; a store timeout over 32767 s is refused by Linux as the
         # connections' TCP keepalive idle time, so no PostgreSQL connection ever opened.
         if self.lifecycle_seconds > MAX_LIFECYCLE_SECONDS:
             raise SettingsError(
-                f"LEASEKEEPER_LIFECYCLE_SECONDS must be at most {MAX_LIFECYCLE_SECONDS} (10 years)"
+                f"{name('lifecycle_seconds')} must be at most {MAX_LIFECYCLE_SECONDS} (10 years)"
             )
         if self.store_timeout_seconds > MAX_STORE_TIMEOUT_SECONDS:
             raise SettingsError(
-                f"LEASEKEEPER_STORE_TIMEOUT_SECONDS must be at most {MAX_STORE_TIMEOUT_SECONDS}"
+                f"{name('store_timeout_seconds')} must be at most {MAX_STORE_TIMEOUT_SECONDS}"
             )
         if self.cleanup_batch > MAX_CLEANUP_BATCH:
-            raise SettingsError(f"LEASEKEEPER_CLEANUP_BATCH must be at most {MAX_CLEANUP_BATCH}")
+            raise SettingsError(f"{name('cleanup_batch')} must be at most {MAX_CLEANUP_BATCH}")
         if not self.host.strip():  # uvicorn would listen on every interface
             raise SettingsError(
-                "LEASEKEEPER_HOST must be an address to listen on "
+                f"{name('host')} must be an address to listen on "
                 "(127.0.0.1 by default; 0.0.0.0 for every interface)"
             )
         if not 0 < self.port < 65536:
-            raise SettingsError("LEASEKEEPER_PORT must be a TCP port from 1 to 65535")
+            raise SettingsError(f"{name('port')} must be a TCP port from 1 to 65535")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise SettingsError(
-                "LEASEKEEPER_LOG_LEVEL must be DEBUG, INFO, WARNING, ERROR or CRITICAL"
+                f"{name('log_level')} must be DEBUG, INFO, WARNING, ERROR or CRITICAL"
             )
 
 
