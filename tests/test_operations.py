@@ -310,3 +310,29 @@ def test_raising_the_fence_counter_is_bounded_and_timed() -> None:
         "leasekeeper_store_seconds_count", {"operation": "raise_fence"}
     )
     assert observed == 2
+
+
+@pytest.mark.parametrize(
+    ("host", "shown"),
+    [("::1", "http://[::1]:8799"), ("127.0.0.1", "http://127.0.0.1:8799")],
+)
+def test_serve_logs_an_address_a_browser_or_curl_can_take(
+    host: str, shown: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An IPv6 host is logged in brackets: ``http://::1:8799`` is no URL at all."""
+    import uvicorn
+    from click.testing import CliRunner
+
+    from leasekeeper import cli
+
+    served: list[tuple[str, int]] = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **_: served.append((host, port)))
+    monkeypatch.setattr(cli, "_tune_gc", lambda: None)
+    monkeypatch.setattr(cli, "configure_logging", lambda level: None)  # keeps caplog's handler
+    with caplog.at_level("INFO", logger="leasekeeper"):
+        done = CliRunner().invoke(
+            cli.main, ["serve", "--host", host, "--port", "8799", "--store", "memory://"]
+        )
+    assert done.exit_code == 0, done.output
+    assert served == [(host, 8799)]
+    assert f"leasekeeper starting on {shown} (store scheme memory)" in caplog.text

@@ -112,7 +112,7 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
     )
     log.info(
         "leasekeeper starting on http://%s:%d (store scheme %s)",
-        settings.host,
+        f"[{settings.host}]" if ":" in settings.host else settings.host,  # an IPv6 address
         settings.port,
         settings.store.partition(":")[0],
     )
