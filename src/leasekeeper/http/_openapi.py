@@ -378,12 +378,24 @@ def openapi_document(base: str) -> dict[str, Any]:
     }
 
 
-DOCS_HTML = """<!doctype html>
+#: Swagger UI for ``/docs``, from jsDelivr, pinned to one release and checked by the
+#: browser against these hashes (Subresource Integrity): a CDN that served anything
+#: else would run script on the service's own origin. The hashes are SHA-384 of the
+#: files in npm's ``swagger-ui-dist-5.35.0.tgz`` (whose own sha512 matched the npm
+#: registry's), which jsDelivr serves byte for byte. To move to another release,
+#: recompute both from its tarball: ``openssl dgst -sha384 -binary FILE | base64``.
+_SWAGGER_UI = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5.35.0"
+_SWAGGER_CSS_SRI = "sha384-WlYgdmXYOOBWL5apwjDEZwN+U3HmXSSu5R6V5aGxEcf7z+KuRNwBhoxKVN1i3D5I"
+_SWAGGER_JS_SRI = "sha384-gjRm0bEPMeTmMh5jT2cHccIwCUZSTd8YC+j0d0sXw0MdGEfScduGpSyF3ZSSLkX9"
+#: no-referrer: the CDN is not told the address the docs were opened at.
+DOCS_HTML = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>leasekeeper API</title>
-<link rel="stylesheet" href="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui.css">
+<link rel="stylesheet" href="{_SWAGGER_UI}/swagger-ui.css"
+ integrity="{_SWAGGER_CSS_SRI}" crossorigin="anonymous" referrerpolicy="no-referrer">
 </head><body><div id="ui"></div>
-<script src="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"></script>
-<script>SwaggerUIBundle({url: "/openapi.json", dom_id: "#ui"});</script>
+<script src="{_SWAGGER_UI}/swagger-ui-bundle.js"
+ integrity="{_SWAGGER_JS_SRI}" crossorigin="anonymous" referrerpolicy="no-referrer"></script>
+<script>SwaggerUIBundle({{url: "/openapi.json", dom_id: "#ui"}});</script>
 <noscript>The machine-readable API description is at <a href="/openapi.json">/openapi.json</a>.
 </noscript></body></html>
 """
