@@ -269,6 +269,12 @@ class TestKeys:
         with pytest.raises(InvalidRequest, match=rule):
             parse_body(AcquireBody, body)
 
+    def test_a_key_of_exactly_100_bits_is_random_enough(self) -> None:
+        """The rule is "at least 100 bits": "ab" * 50 (two characters, each half the
+        time, one bit each) measures exactly 100.0 and is accepted."""
+        assert validation.key_entropy_bits("ab" * 50) == 100.0
+        validation.check_bare_key("ab" * 50)
+
     def test_entropy_is_length_times_per_character_entropy(self) -> None:
         """The measure is len(key) times the Shannon entropy of its own frequencies."""
         assert validation.key_entropy_bits("abcd") == pytest.approx(8.0)
