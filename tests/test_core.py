@@ -275,6 +275,14 @@ class TestKeys:
         assert validation.key_entropy_bits("ab" * 50) == 100.0
         validation.check_bare_key("ab" * 50)
 
+    @pytest.mark.parametrize("key", ["a\x7fb", "a\x85b", "a\x9fb"])
+    def test_del_and_c1_controls_are_refused_as_control_characters(self, key: str) -> None:
+        """DEL and the C1 controls (U+007F-U+009F) are control characters: the message
+        names that rule, not another one."""
+        with pytest.raises(InvalidRequest) as refused:
+            validation.check_namespaced_key(key)
+        assert refused.value.error == "Invalid key: must not contain control characters"
+
     def test_entropy_is_length_times_per_character_entropy(self) -> None:
         """The measure is len(key) times the Shannon entropy of its own frequencies."""
         assert validation.key_entropy_bits("abcd") == pytest.approx(8.0)
