@@ -194,6 +194,15 @@ class TestRules:
         with pytest.raises(ValueError, match="new owner"):
             Decision(Lost(LostReason.NO_LEASE)).with_fence(5)
 
+    def test_a_fenced_grant_takes_no_second_fence(self) -> None:
+        """A grant takes its fencing token once: the decision a store gets back asks for
+        no other, and refuses one, so a token once drawn is never replaced."""
+        fenced = decide_with_fence(None, acquire(), T0, Fences())
+        assert granted(fenced).record.fencing_token == 1
+        assert not fenced.new_owner
+        with pytest.raises(ValueError, match="new owner"):
+            fenced.with_fence(7)
+
     def test_fence_counter_overflow_is_refused(self) -> None:
         """A counter past 2**63 - 1 is an error, never a wrapped token."""
         with pytest.raises(OverflowError):
