@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from leasekeeper import FakeClock
+from leasekeeper._core import secrets as core_secrets
 from tests.conftest import Api, ApiFactory
 
 ISO = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ\Z")
@@ -126,6 +127,19 @@ class TestKeys:
         """The same key in two namespaces is two different leases."""
         granted(api.acquire(namespace=api.namespace(), key=KEY))
         granted(api.acquire(namespace=api.namespace(), key=KEY))
+
+    def test_stored_digests_are_keyed_by_the_namespace_secret(self, make_api: ApiFactory) -> None:
+        """At rest, a key in a namespace and its fingerprint are digests keyed by the
+        namespace secret: keyed by the readable key instead, a fingerprint could be
+        guessed from the database by anyone who can guess the key."""
+        api = make_api("memory")
+        ns = api.namespace()
+        granted(api.acquire(namespace=ns, key=KEY, fingerprint="fp-1"))
+        secret = core_secrets.parse_namespace(ns)
+        key_id = core_secrets.key_id(secret, KEY)
+        (record,) = api.service.store.records().values()  # type: ignore[attr-defined]
+        assert record.key_id == key_id
+        assert record.fingerprint == core_secrets.fingerprint_digest(secret, KEY, key_id, "fp-1")
 
 
 class TestFieldRules:
