@@ -169,7 +169,10 @@ class TestFieldRules:
         """1024 characters is the longest fingerprint."""
         granted(api.acquire(namespace=ns, key=KEY, fingerprint="f" * 1024))
 
-    @pytest.mark.parametrize("token", ["own_short", "xyz_" + "A" * 43, 7, None])
+    @pytest.mark.parametrize(
+        "token",
+        ["own_short", "own_" + "A" * 44, "own_" + "A" * 43 + "\n", "xyz_" + "A" * 43, 7, None],
+    )
     def test_malformed_owner_token_is_invalid(self, api: Api, ns: str, token: Any) -> None:
         """A malformed owner token is 400 invalid before any lease is looked at."""
         granted(api.acquire(namespace=ns, key=KEY))
