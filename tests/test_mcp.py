@@ -30,7 +30,7 @@ import pytest
 from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
 from mcp.shared.exceptions import MCPError
-from mcp.types import CallToolResult
+from mcp.types import INVALID_PARAMS, CallToolResult
 from starlette.testclient import TestClient
 
 import leasekeeper.mcp
@@ -479,10 +479,12 @@ async def test_unexpected_errors_are_internal_and_logged_without_arguments(
 
 @pytest.mark.anyio
 async def test_unknown_tool_is_a_protocol_error(service: LeaseService) -> None:
-    """Calling a tool that does not exist is an MCP error, not a tool result."""
+    """Calling a tool that does not exist is an MCP error, not a tool result: -32602
+    (invalid params), as the MCP spec asks for an unknown tool."""
     async with Client(create_mcp_server(service)) as client:
-        with pytest.raises(MCPError, match="Unknown tool"):
+        with pytest.raises(MCPError, match="Unknown tool") as raised:
             await client.call_tool("delete_everything", {})
+    assert raised.value.code == INVALID_PARAMS
 
 
 # -- /mcp in the HTTP app, in process --------------------------------------------------------
