@@ -748,6 +748,29 @@ def test_mcp_route_limits_bodies_and_hosts(app_with_mcp: TestClient) -> None:
     assert untyped.headers["content-type"] == "application/json"
 
 
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"host": "localhost:8787"},
+        {"host": "[::1]:8787"},
+        {"host": "[::1]"},
+        {"origin": "https://localhost:8787"},
+        {"origin": "http://[::1]:8787"},
+        {"origin": "https://127.0.0.1"},
+    ],
+    ids=["localhost", "ipv6", "ipv6-no-port", "https-localhost", "http-ipv6", "https-ipv4"],
+)
+def test_every_loopback_host_and_origin_is_served(
+    app_with_mcp: TestClient, header: dict[str, str]
+) -> None:
+    """On a loopback listener /mcp refuses foreign Host and Origin headers only: each
+    loopback name (IPv6 in brackets, as in a Host header), with or without a port, over
+    http or https, is served."""
+    response = app_with_mcp.post("/mcp", json=_INITIALIZE, headers={**_MCP_HEADERS, **header})
+    assert response.status_code == 200, response.text
+    assert response.json()["result"]["serverInfo"]["name"] == "leasekeeper"
+
+
 def test_refused_host_and_origin_values_are_not_logged(
     app_with_mcp: TestClient, caplog: pytest.LogCaptureFixture
 ) -> None:
