@@ -746,6 +746,8 @@ def test_mcp_route_limits_bodies_and_hosts(app_with_mcp: TestClient) -> None:
     assert untyped.status_code == 400
     assert untyped.json()["status"] == "invalid" and "Content-Type" in untyped.json()["error"]
     assert untyped.headers["content-type"] == "application/json"
+    for plain in (rebinding, untyped):  # the SDK's own length went with its plain text
+        assert plain.headers.get_list("content-length") == [str(len(plain.content))]
 
 
 @pytest.mark.parametrize(
