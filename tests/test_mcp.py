@@ -773,6 +773,20 @@ def test_every_loopback_host_and_origin_is_served(
     assert response.json()["result"]["serverInfo"]["name"] == "leasekeeper"
 
 
+def test_a_body_limit_raised_past_the_sdks_own_holds_on_mcp(clock: FakeClock) -> None:
+    """LEASEKEEPER_MAX_BODY_BYTES is the /mcp body limit also when raised past the SDK's
+    own 4 MiB: a 5 MiB body under a 6 MiB limit is served, one past the limit is 413."""
+    limit = 6 * 1024 * 1024
+    settings = Settings(max_body_bytes=limit)
+    app = serve_app(LeaseService(MemoryStore(clock)), settings, run_cleanup=False)
+    with TestClient(app, base_url="http://127.0.0.1:8787") as client:
+        for pad, status in ((5 * 1024 * 1024, 200), (limit, 413)):
+            padded = {**_INITIALIZE, "params": {**_INITIALIZE["params"], "pad": "x" * pad}}
+            response = client.post("/mcp", json=padded, headers=_MCP_HEADERS)
+            assert response.status_code == status, response.text[:200]
+        assert response.json()["error"]["data"]["status"] == "too_large"
+
+
 def test_refused_host_and_origin_values_are_not_logged(
     app_with_mcp: TestClient, caplog: pytest.LogCaptureFixture
 ) -> None:
