@@ -787,6 +787,27 @@ def test_a_body_limit_raised_past_the_sdks_own_holds_on_mcp(clock: FakeClock) ->
         assert response.json()["error"]["data"]["status"] == "too_large"
 
 
+@pytest.mark.parametrize(
+    ("message", "answer_id"),
+    [
+        (b'{"jsonrpc":"2.0","id":3,"method":"ping","x":NaN}', 3),
+        (b'{"jsonrpc":"2.0","id":3,"id":4,"method":"ping"}', None),  # which of the two?
+        (b'{"jsonrpc":"2.0","id":"\xff","method":"ping"}', None),  # not the client's text
+    ],
+    ids=["readable", "repeated", "not-utf-8"],
+)
+def test_a_parse_error_over_mcp_carries_an_id_only_where_it_is_certain(
+    app_with_mcp: TestClient, message: bytes, answer_id: int | None
+) -> None:
+    """The parse error (-32700) answers with the message's id where a lenient reading
+    finds exactly one, whole; a repeated id, or one that is not UTF-8 (read as U+FFFD,
+    which no client sent), is answered with null."""
+    headers = {**_MCP_HEADERS, "content-type": "application/json"}
+    response = app_with_mcp.post("/mcp", content=message, headers=headers)
+    assert response.status_code == 400, response.text
+    assert (response.json()["id"], response.json()["error"]["code"]) == (answer_id, -32700)
+
+
 def test_refused_host_and_origin_values_are_not_logged(
     app_with_mcp: TestClient, caplog: pytest.LogCaptureFixture
 ) -> None:
