@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -1473,6 +1474,20 @@ def test_stdio_lines_are_split_and_bounded_as_sent() -> None:
         os.close(read_end)
         if write_end != -1:
             os.close(write_end)
+
+
+def test_a_line_of_the_limit_whose_newline_comes_in_a_later_read_is_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``_FdLines``: a line of exactly ``max_bytes`` whose newline is not in the first read
+    (a pipe hands over what was written so far) is a line, not one too long."""
+    from leasekeeper.mcp import _server
+
+    reads = iter([b"x" * 10, b"\n", b""])
+    monkeypatch.setattr(_server, "os", SimpleNamespace(read=lambda fd, size: next(reads)))
+    lines = _server._FdLines(0, 10)
+    assert lines.readline() == b"x" * 10 + b"\n"
+    assert lines.readline() == b""
 
 
 @pytest.mark.parametrize("era", ERAS)
