@@ -1490,6 +1490,26 @@ def test_a_line_of_the_limit_whose_newline_comes_in_a_later_read_is_whole(
     assert lines.readline() == b""
 
 
+@pytest.mark.anyio
+async def test_a_cancellation_naming_true_leaves_request_1_due() -> None:
+    """``StrictStdin`` counts a request handed on as due until it is answered or cancelled
+    (the end of stdin waits for it): a ``notifications/cancelled`` naming ``true`` is no
+    cancellation of request 1, as ``true`` is no id; one naming ``1`` is."""
+    from leasekeeper.mcp._server import StrictStdin
+
+    stdin = StrictStdin(0, 100)  # nothing is read from the descriptor here
+
+    def cancel(request_id: object) -> dict[str, Any]:
+        params = {"requestId": request_id}
+        return {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": params}
+
+    stdin._note({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {}})
+    stdin._note(cancel(True))
+    assert dict(stdin._unanswered) == {1: 1}
+    stdin._note(cancel(1))
+    assert not stdin._unanswered
+
+
 @pytest.mark.parametrize("era", ERAS)
 def test_an_accept_without_json_is_406_with_a_sentence(app_with_mcp: TestClient, era: str) -> None:
     """Both of the SDK's transports say why (its 2026-07-28 one sent no body at all)."""
