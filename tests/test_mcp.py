@@ -828,6 +828,25 @@ def test_refused_host_and_origin_values_are_not_logged(
     assert value not in caplog.text
 
 
+def test_the_sdks_loggers_are_held_at_warning_under_debug() -> None:
+    """``quiet_sdk_logs`` (run by ``serve`` and ``mcp``): under a DEBUG root the SDK's
+    loggers, which at DEBUG may print raw frames, log WARNING and above; a root level
+    above WARNING still applies."""
+    root, sdk = logging.getLogger(), logging.getLogger("mcp")
+    saved = root.level, sdk.level
+    try:
+        root.setLevel(logging.DEBUG)
+        leasekeeper.mcp.quiet_sdk_logs()
+        frames = logging.getLogger("mcp.server.streamable_http")
+        assert not frames.isEnabledFor(logging.INFO) and frames.isEnabledFor(logging.WARNING)
+        root.setLevel(logging.ERROR)
+        leasekeeper.mcp.quiet_sdk_logs()
+        assert sdk.getEffectiveLevel() == logging.ERROR
+    finally:
+        root.setLevel(saved[0])
+        sdk.setLevel(saved[1])
+
+
 @pytest.mark.parametrize("era", ERAS)
 def test_mcp_mints_past_the_burst_are_rate_limited_as_over_http(
     monotonic: FakeMonotonic, era: str
