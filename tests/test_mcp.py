@@ -37,10 +37,11 @@ from starlette.testclient import TestClient
 import leasekeeper.mcp
 from leasekeeper import FakeClock, LeaseService, Settings
 from leasekeeper._core.validation import UTF8_BOM
+from leasekeeper._limits import Limits
 from leasekeeper._service import clean_up_every
 from leasekeeper.cli import serve_app
 from leasekeeper.http import create_app
-from leasekeeper.mcp import TOOL_OPERATIONS, create_mcp_server
+from leasekeeper.mcp import TOOL_OPERATIONS, call_lease_tool, create_mcp_server
 from leasekeeper.store import MemoryStore
 from tests.conftest import FakeMonotonic, ManualSleep
 
@@ -1048,6 +1049,28 @@ def test_arguments_too_deep_spend_no_namespace_token_as_over_http(
             too_deep.json()["error"]["message"] == "Parse error: Body nests deeper than 64 levels"
         )
         assert ok(call_over_mcp(client, era, "acquire_lease", lease))["status"] == "held"
+
+
+@pytest.mark.anyio
+async def test_call_lease_tool_checks_the_arguments_before_the_namespace_limit(
+    service: LeaseService, monotonic: FakeMonotonic
+) -> None:
+    """``call_lease_tool`` with limits (what ``/mcp`` runs) refuses arguments HTTP's parser
+    would refuse (a lone surrogate) before it spends the namespace limit: with a burst of
+    1, the call after a refused one is still served."""
+    settings = Settings(namespace_request_rate=1, namespace_request_burst=1)
+    limits = Limits.from_settings(settings, monotonic=monotonic)
+    scope = {"type": "http", "client": ("203.0.113.66", 4000)}
+    async with running(service):
+        namespace = (await service.handle("namespace", {})).plain()["namespace"]
+        lease = {"namespace": namespace, "key": "job"}
+        surrogate = {**lease, "fingerprint": "a\ud800b"}
+        result = await call_lease_tool(
+            service, "acquire_lease", surrogate, limits=limits, scope=scope
+        )
+        refused(result, "invalid")
+        result = await call_lease_tool(service, "acquire_lease", lease, limits=limits, scope=scope)
+        assert ok(result)["status"] == "held"
 
 
 def test_mcp_calls_are_not_rate_limited_by_default(monotonic: FakeMonotonic) -> None:
