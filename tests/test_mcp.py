@@ -1464,6 +1464,32 @@ def test_a_peer_that_closes_stdout_ends_the_stdio_server_in_one_line(tmp_path: P
     )
 
 
+@pytest.mark.slow
+def test_stdio_lines_are_bounded_by_the_configured_body_limit() -> None:
+    """``leasekeeper mcp`` refuses a line longer than LEASEKEEPER_MAX_BODY_BYTES (here
+    1000), not only one past the default 64 KiB: -32600 with its id; one under it is served."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEKEEPER_")}
+    env["LEASEKEEPER_MAX_BODY_BYTES"] = "1000"
+
+    def ping(request_id: int, pad: int) -> bytes:
+        return b'{"jsonrpc":"2.0","id":%d,"method":"ping","pad":"%s"}' % (request_id, b"a" * pad)
+
+    lines = [_INITIALIZE_LINE, ping(2, 1500), ping(3, 900)]
+    done = subprocess.run(
+        [str(LEASEKEEPER), "mcp", "--store", "memory://"],
+        input=b"\n".join(lines) + b"\n",
+        env=env,
+        capture_output=True,
+        timeout=FLOW_TIMEOUT,
+        check=True,
+    )
+    answers = {answer["id"]: answer for answer in map(json.loads, done.stdout.splitlines())}
+    assert sorted(answers) == [1, 2, 3]
+    assert answers[2]["error"]["code"] == -32600
+    assert "larger than 1000 bytes" in answers[2]["error"]["message"]
+    assert answers[3]["result"] == {}
+
+
 @pytest.mark.parametrize(
     ("start", "request_id"),
     [
