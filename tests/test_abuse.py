@@ -661,6 +661,8 @@ def test_a_body_that_does_not_arrive_is_cut_off(server: Server, sent: bytes, pat
     status, headers, body, took = answer(sock)
     if path == "/mcp":  # a JSON-RPC error, which MCP clients read, with the API's body
         assert body["error"]["code"] == -32600 and body["id"] is None
+        assert body["error"]["message"] == f"Invalid request: {body['error']['data']['error']}"
+        assert "not received within" in body["error"]["message"]  # not "larger than"
         body = body["error"]["data"]
     assert (status, body["status"]) == (408, "timeout") and headers["connection"] == "close"
     assert took <= TIMEOUT + 2
