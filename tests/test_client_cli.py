@@ -767,6 +767,32 @@ def test_namespace_with_a_bad_url_is_a_usage_error_too(url: str) -> None:
     assert isinstance(result.exception, SystemExit)
 
 
+def test_the_url_flag_wins_over_the_variable_and_the_timeout_reaches_the_client(
+    cli: Cli,
+) -> None:
+    """--url wins over LEASEKEEPER_URL, which wins over the default; --timeout (10 by
+    default) is the client's per-request timeout."""
+    made: list[tuple[str, float]] = []
+    real_client = cli.client
+
+    def recording(url: str = BASE_URL, timeout: float = 10.0) -> LeaseClient:
+        made.append((url, timeout))
+        return real_client(url, timeout)
+
+    cli.client = recording  # type: ignore[method-assign]
+    cli.environ["LEASEKEEPER_URL"] = "http://from-the-variable.test"
+    assert cli("acquire", "--key", "a", "--url", "http://from-the-flag.test",
+               "--timeout", "2.5").exit_code == 0  # fmt: skip
+    assert cli("acquire", "--key", "b").exit_code == 0
+    del cli.environ["LEASEKEEPER_URL"]
+    assert cli("acquire", "--key", "c").exit_code == 0
+    assert made == [
+        ("http://from-the-flag.test", 2.5),
+        ("http://from-the-variable.test", 10.0),
+        ("http://127.0.0.1:8787", 10.0),
+    ]
+
+
 def _stdout_fails(monkeypatch: pytest.MonkeyPatch, error: OSError) -> None:
     """Writing to stdout fails as on a full disk or a closed pipe; stderr still works."""
     real_echo = click.echo
