@@ -324,6 +324,17 @@ def test_acquire_wait_reports_progress_on_a_terminal(cli: Cli) -> None:
 # -- run --------------------------------------------------------------------------------------
 
 
+def test_progress_flags_override_whether_stderr_is_a_terminal(cli: Cli) -> None:
+    """--progress tells on stderr in a pipe too; --no-progress keeps a terminal quiet."""
+    loud = cli("run", "--key", "p1", "--progress", "--", "true")
+    assert loud.exit_code == 0, loud.output
+    assert "leasekeeper: lease acquired (fencing token" in loud.stderr
+    cli.terminal = True
+    quiet = cli("run", "--key", "p2", "--no-progress", "--", "true")
+    assert quiet.exit_code == 0, quiet.output
+    assert quiet.stderr == ""
+
+
 def test_run_gives_the_fence_and_passes_the_exit_status(cli: Cli, tmp_path: Path) -> None:
     """The command sees LEASEKEEPER_FENCING_TOKEN; run exits with its status; lease released."""
     out = tmp_path / "fence"
