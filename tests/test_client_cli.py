@@ -229,6 +229,7 @@ def test_retryable_refusals_exit_14_and_bad_requests_13(error: LeaseError, code:
         (["renew", "--key", "k"], "owner-token is required"),
         (["complete", "--key", "k", "--result", "{nope"], "not valid JSON"),
         (["complete", "--key", "k"], "--result JSON or --result-file"),
+        (["complete", "--key", "k", "--result", "1", "--result-file", "-"], "--result JSON or"),
     ],
 )
 def test_usage_errors_exit_2_without_echoing_secrets(
