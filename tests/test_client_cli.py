@@ -363,6 +363,15 @@ def test_run_complete_records_and_later_runs_skip(cli: Cli, tmp_path: Path) -> N
     assert log.read_text() == "ran\n"
 
 
+def test_run_replays_a_stored_status_of_255(cli: Cli) -> None:
+    """255, the highest status a command can exit with, is stored and replayed as it is."""
+    first = cli("run", "--key", "top", "--complete", "--", "sh", "-c", "exit 255")
+    assert first.exit_code == 255, first.output
+    again = cli("run", "--key", "top", "--complete", "--", "sh", "-c", "exit 0")
+    assert again.exit_code == 255, again.output
+    assert cli.json(again)["result"] == {"exit_code": 255}
+
+
 def test_run_without_the_command_starting(cli: Cli) -> None:
     """A command that cannot start exits 127 and releases the lease."""
     result = cli("run", "--key", "x", "--", "/nonexistent/command")
