@@ -464,6 +464,29 @@ def test_run_stops_what_the_command_leaves_in_its_group(cli: Cli, tmp_path: Path
     assert cli("acquire", "--key", "bg").exit_code == EXIT_COMPLETED
 
 
+def test_run_gives_leftovers_10_seconds_grace_by_default(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --grace, SIGKILL follows the SIGTERM by 10 s (README: ``[--grace 10]``), as
+    the warning about what the command left in its group says. (The stop itself is given
+    no grace here, so that the test need not wait for the orphan's zombie to be reaped.)"""
+    graces: list[float] = []
+    real_stop = _cli_module._stop
+
+    def stop(process: Any, grace: float, terminated: list[float]) -> str:
+        graces.append(grace)
+        return real_stop(process, 0.0, terminated)
+
+    monkeypatch.setattr(_cli_module, "_stop", stop)
+    pid_file = tmp_path / "pid"
+    result = cli("run", "--key", "bg10", "--",
+                 "sh", "-c", f"sleep 30 & echo $! > {pid_file}; exit 0")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "they get SIGTERM (SIGKILL after 10.0 s)" in result.stderr
+    assert graces == [10.0]
+    assert not _alive(int(pid_file.read_text()))
+
+
 def test_a_signal_while_the_command_starts_is_passed_on(
     cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
