@@ -347,6 +347,23 @@ def test_run_gives_the_fence_and_passes_the_exit_status(cli: Cli, tmp_path: Path
     assert cli("acquire", "--key", "job").exit_code == 0  # released
 
 
+def test_run_holds_the_key_for_30_seconds_by_default(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run`` without --ttl leases for 30 s (README: ``[--ttl 30]``)."""
+    ttls: list[int] = []
+    real_lease = LeaseClient.lease
+
+    def lease(self: LeaseClient, *args: Any, **kwargs: Any) -> Any:
+        ttls.append(kwargs["ttl"])
+        return real_lease(self, *args, **kwargs)
+
+    monkeypatch.setattr(LeaseClient, "lease", lease)
+    assert cli("run", "--key", "t", "--", "true").exit_code == 0
+    assert cli("run", "--key", "t", "--ttl", "7", "--", "true").exit_code == 0
+    assert ttls == [30, 7]
+
+
 def test_run_complete_records_and_later_runs_skip(cli: Cli, tmp_path: Path) -> None:
     """With --complete the status is stored; the next run skips and reports it."""
     log = tmp_path / "ran"
