@@ -541,6 +541,26 @@ def test_a_signal_before_the_command_starts_keeps_it_from_starting(
     assert cli("acquire", "--key", "pre").exit_code == 0
 
 
+def test_a_signal_just_after_the_acquire_keeps_the_command_from_starting(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An interruption after the lease was acquired, before run's own handlers are in
+    place (noted meanwhile), still keeps the command from starting: exit 128 + N, and
+    the lease is let go."""
+    ran = tmp_path / "ran"
+    real_forward = _cli_module._forward_signals
+
+    def forward_after_a_signal(*args: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGINT)  # handled (noted) before the handlers change
+        return real_forward(*args)
+
+    monkeypatch.setattr(_cli_module, "_forward_signals", forward_after_a_signal)
+    result = cli("run", "--key", "early", "--complete", "--", "touch", str(ran))
+    assert result.exit_code == 128 + signal.SIGINT, result.output
+    assert not ran.exists()
+    assert cli("acquire", "--key", "early").exit_code == 0  # released, nothing recorded
+
+
 def test_a_request_signal_before_the_command_starts_is_dropped(
     cli: Cli, monkeypatch: pytest.MonkeyPatch
 ) -> None:
