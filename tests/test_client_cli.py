@@ -22,6 +22,7 @@ from leasekeeper import FakeClock, LeaseClient
 from leasekeeper._errors import (
     InvalidRequest,
     LeaseError,
+    LeaseLost,
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
@@ -42,7 +43,13 @@ from leasekeeper.client._cli import (
     CliEnvironment,
     exit_code,
 )
-from tests.client_fakes import BASE_URL, answer_lost_after_complete, bridge
+from tests.client_fakes import (
+    BASE_URL,
+    FakeTime,
+    ManualThread,
+    answer_lost_after_complete,
+    bridge,
+)
 
 
 class Cli:
@@ -502,6 +509,38 @@ def test_run_gives_leftovers_10_seconds_grace_by_default(
     assert "they get SIGTERM (SIGKILL after 10.0 s)" in result.stderr
     assert graces == [10.0]
     assert not _alive(int(pid_file.read_text()))
+
+
+def test_a_lease_lost_as_the_command_ends_exits_11_with_its_status(
+    cli: Cli, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lease found lost once the command has ended (its local expiry passed while it
+    exited): run exits 11, not with the command's status, and says that status on stderr."""
+    fake = FakeTime(clock)  # the client's time is the service's: the lease expires on both
+    cli.client = lambda url=BASE_URL, timeout=10.0: LeaseClient(  # type: ignore[method-assign]
+        BASE_URL, transport=bridge(cli.api), timeout=timeout, monotonic=fake.monotonic,
+        event_factory=fake.event, thread_factory=ManualThread,
+    )  # fmt: skip
+    held: list[Any] = []
+    real_lease, real_status = LeaseClient.lease, _cli_module._shell_status
+
+    def lease(self: LeaseClient, *args: Any, **kwargs: Any) -> Any:
+        held.append(real_lease(self, *args, **kwargs))
+        return held[-1]
+
+    def status_after_the_expiry(returncode: int) -> int:
+        clock.advance(31)  # past the 30 s lease, which no renewal moved
+        with pytest.raises(LeaseLost):
+            held[0].check()  # as the renewals would find it
+        return real_status(returncode)
+
+    monkeypatch.setattr(LeaseClient, "lease", lease)
+    monkeypatch.setattr(_cli_module, "_shell_status", status_after_the_expiry)
+    result = cli("run", "--key", "late", "--", "sh", "-c", "exit 4")
+    monkeypatch.undo()
+    assert result.exit_code == EXIT_LOST, result.output
+    report = json.loads(result.stderr.splitlines()[-1])
+    assert report["status"] == "lost" and report["exit_code"] == 4
 
 
 def test_a_signal_while_the_command_starts_is_passed_on(
