@@ -416,6 +416,17 @@ def test_fence_command_prints_and_raises_the_counter_never_lowering_it(tmp_path:
     assert asyncio.run(grant()) == 1001
 
 
+def test_fence_reads_a_counter_of_zero_without_raising_it(tmp_path: Path) -> None:
+    """`leasekeeper fence` without --raise-to only reads: on a store that has granted
+    nothing yet it prints 0 and leaves the counter at 0."""
+    db = tmp_path / "new.db"
+    _expired_records(db, 0)
+    done = _fence_command(db)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"ok": True, "fencing_counter": 0}
+    assert SqliteStore(db).fencing_counter() == 0
+
+
 @pytest.mark.parametrize("argv", [["fence", "--raise-to", "5"], ["fence"], ["cleanup"]])
 def test_fence_and_cleanup_refuse_a_memory_store(argv: list[str]) -> None:
     """A memory store is empty in every process but the server's: `fence` would print
