@@ -427,6 +427,16 @@ def test_fence_reads_a_counter_of_zero_without_raising_it(tmp_path: Path) -> Non
     assert SqliteStore(db).fencing_counter() == 0
 
 
+def test_fence_raises_the_counter_to_2_to_the_62_the_largest_n(tmp_path: Path) -> None:
+    """N may be at most 2^62 (README, Operations): that N itself is taken and printed."""
+    db = tmp_path / "restored.db"
+    _expired_records(db, 1)
+    done = _fence_command(db, "--raise-to", str(2**62))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"ok": True, "fencing_counter": 2**62}
+    assert SqliteStore(db).fencing_counter() == 2**62
+
+
 @pytest.mark.parametrize("argv", [["fence", "--raise-to", "5"], ["fence"], ["cleanup"]])
 def test_fence_and_cleanup_refuse_a_memory_store(argv: list[str]) -> None:
     """A memory store is empty in every process but the server's: `fence` would print
