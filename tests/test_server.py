@@ -22,7 +22,7 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from leasekeeper import FakeClock, LeaseError, LeaseService, Settings
+from leasekeeper import FakeClock, LeaseError, LeaseService, ServiceUnavailable, Settings
 from leasekeeper._core import secrets as lk_secrets
 from leasekeeper.cli import main
 from leasekeeper.http import create_app
@@ -435,6 +435,27 @@ def test_fence_raises_the_counter_to_2_to_the_62_the_largest_n(tmp_path: Path) -
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"ok": True, "fencing_counter": 2**62}
     assert SqliteStore(db).fencing_counter() == 2**62
+
+
+@pytest.mark.parametrize("argv", [["fence", "--raise-to", "100"], ["cleanup"]])
+def test_an_operator_command_the_store_refuses_says_so_on_stderr_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, argv: list[str]
+) -> None:
+    """A store that refuses the work (a full disk, say) is `fence failed: …` / `cleanup
+    failed: …` on stderr with exit 1; stdout, which a script reads as the JSON answer,
+    stays empty."""
+    db = tmp_path / "lk.db"
+    _expired_records(db, 1)
+
+    async def refuse(self: LeaseService, *args: Any) -> int:
+        raise ServiceUnavailable("The lease store is refusing writes (database or disk is full)")
+
+    monkeypatch.setattr(LeaseService, "raise_fence", refuse)
+    monkeypatch.setattr(LeaseService, "cleanup", refuse)
+    done = CliRunner().invoke(main, [*argv, "--store", f"sqlite:///{db}"])
+    assert done.exit_code == 1, done.output
+    assert done.stdout == ""
+    assert f"{argv[0]} failed: The lease store is refusing writes" in done.stderr
 
 
 @pytest.mark.parametrize("argv", [["fence", "--raise-to", "5"], ["fence"], ["cleanup"]])
