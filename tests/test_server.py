@@ -9,6 +9,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import sqlite3
@@ -563,11 +564,33 @@ def test_fence_on_a_sound_store_it_cannot_check_does_not_call_it_damaged(tmp_pat
         assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
 
 
-def _insert_rows(db: Path, first: int, count: int) -> None:
+def _insert_rows(db: Path, first: int, count: int, *, seed: int, prefix: bytes = b"") -> None:
+    """``count`` records with tokens from ``first``, their key ids ``prefix`` and then
+    random bytes from ``seed``: the same pages every run."""
+    keys = random.Random(seed)
     with contextlib.closing(sqlite3.connect(db, isolation_level=None)) as conn:
-        rows = [(os.urandom(32), None, 1, first + i, None, 1, None, "x" * 200, 1)
-                for i in range(count)]  # fmt: skip
+        rows = [(prefix + keys.randbytes(32 - len(prefix)), None, 1, first + i, None, 1, None,
+                 "x" * 200, 1) for i in range(count)]  # fmt: skip
         conn.executemany("INSERT INTO leases VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+
+
+def _read_fence(db: Path) -> int:
+    """The fencing counter as a reader sees it, changing nothing."""
+    with contextlib.closing(sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True)) as conn:
+        return int(conn.execute("SELECT value FROM meta WHERE name = 'fence'").fetchone()[0])
+
+
+def _crash_leaving_a_wal(db: Path, statements: str) -> None:
+    """A writer commits ``statements`` and dies without a checkpoint: its WAL stays."""
+    crash = (
+        "import os, sqlite3, sys\n"
+        "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+        "c.execute('PRAGMA wal_autocheckpoint = 0')\n"
+        f"c.executescript('BEGIN; ' + {statements!r} + '; COMMIT;')\n"
+        "os._exit(0)\n"  # no checkpoint, no cleanup
+    )
+    subprocess.run([sys.executable, "-c", crash, str(db)], check=True, timeout=60)
+    assert (db.parent / f"{db.name}-wal").stat().st_size > 0
 
 
 def test_fence_refuses_a_backup_copied_over_a_leftover_wal(tmp_path: Path) -> None:
@@ -576,27 +599,46 @@ def test_fence_refuses_a_backup_copied_over_a_leftover_wal(tmp_path: Path) -> No
     (a table without rowids out of key order) is found, and nothing is raised."""
     db = tmp_path / "lk.db"
     _expired_records(db, 1)
-    _insert_rows(db, 10, 3000)  # checkpointed when the last connection closes
+    _insert_rows(db, 10, 3000, seed=1)  # checkpointed when the last connection closes
     backup = tmp_path / "backup.db"
     backup.write_bytes(db.read_bytes())
-    _insert_rows(db, 10_000, 3000)
-    crash = (
-        "import os, sqlite3, sys\n"
-        "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
-        "c.execute('PRAGMA wal_autocheckpoint = 0')\n"
-        "c.execute('BEGIN')\n"
-        "c.execute('UPDATE leases SET result = ? WHERE fencing_token IN (5000, 11500)', ('z',))\n"
-        "c.executemany('INSERT INTO leases VALUES (?, ?, 1, ?, NULL, 1, NULL, ?, 1)',\n"
-        "    [(os.urandom(32), None, 10**6 + i, 'y' * 300) for i in range(3)])\n"
-        "c.execute('COMMIT')\n"
-        "os._exit(0)\n"  # no checkpoint, no cleanup: the WAL stays
+    _insert_rows(db, 10_000, 3000, seed=2)
+    _crash_leaving_a_wal(
+        db,
+        "UPDATE leases SET result = 'z' WHERE fencing_token IN (1500, 11500); "
+        "INSERT INTO leases VALUES (x'00aa', NULL, 1, 1000000, NULL, 1, NULL, 'y', 1)",
     )
-    subprocess.run([sys.executable, "-c", crash, str(db)], check=True, timeout=60)
-    assert (tmp_path / "lk.db-wal").stat().st_size > 0
     db.write_bytes(backup.read_bytes())  # the wrong restore
     done = CliRunner().invoke(main, ["fence", "--raise-to", "100", "--store", f"sqlite:///{db}"])
     assert done.exit_code == 1, done.output
     assert "the SQLite store is damaged" in done.output
+    assert _read_fence(db) < 100
+
+
+def test_fence_refuses_a_backup_whose_leftover_wal_can_never_be_folded_in(
+    tmp_path: Path,
+) -> None:
+    """The same wrong restore where the dead writer changed only pages past the copy's
+    end: every read sees the copy intact (its first page says how long it is), but the
+    WAL's commit says the file is twice that, so no checkpoint can ever copy it in. A
+    server would fail every checkpoint and its WAL would grow for good: refused as
+    damaged, as when the pages land inside the copy. (With random key ids the test above
+    landed here about one run in 25, and fence let the store pass.)"""
+    db = tmp_path / "lk.db"
+    _expired_records(db, 1)
+    _insert_rows(db, 10, 3000, seed=1)
+    backup = tmp_path / "backup.db"
+    backup.write_bytes(db.read_bytes())
+    # Key ids past every one in the copy: their pages are all after its last page.
+    _insert_rows(db, 10_000, 3000, seed=2, prefix=b"\xff")
+    _crash_leaving_a_wal(db, "UPDATE leases SET result = 'z' WHERE fencing_token = 12999")
+    db.write_bytes(backup.read_bytes())  # the wrong restore
+    with contextlib.closing(sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True)) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)  # reads pass
+    done = CliRunner().invoke(main, ["fence", "--raise-to", "100", "--store", f"sqlite:///{db}"])
+    assert done.exit_code == 1, done.output
+    assert "the SQLite store is damaged (database disk image is malformed)" in done.output
+    assert _read_fence(db) < 100
 
 
 def test_fence_through_a_symbolic_link_reads_the_store_as_a_server_would(

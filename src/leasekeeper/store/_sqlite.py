@@ -382,8 +382,16 @@ class SqliteStore:
         fence``, run after a restore, where a store copied over a leftover WAL is damaged
         in ways ``quick_check`` does not look for (the order of a table without rowids).
         It reads the whole file; ``ServiceUnavailable`` when it cannot be read at all.
+
+        First it checkpoints (PASSIVE, as a server's checkpointer does, safe beside
+        running servers): a leftover WAL whose pages all lie past the copy's end leaves
+        every read intact, but it says the file is longer than the copy, so no
+        checkpoint can ever fold it in, and a server's WAL would only grow.
         """
         try:
+            real = self.path.resolve()  # the WAL is beside the file, not beside a link to it
+            with contextlib.closing(sqlite3.connect(real, timeout=self._timeout)) as conn:
+                conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
             with self._read_only() as conn:  # never immutable: servers may be writing
                 found = conn.execute("PRAGMA integrity_check(1)").fetchone()
         except sqlite3.DatabaseError as exc:
