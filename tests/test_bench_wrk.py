@@ -87,3 +87,40 @@ def test_a_server_that_died_is_reported_with_the_end_of_its_log(
     process.popen.wait()
     with pytest.raises(RuntimeError, match=r"(?s)server exited with -9 before a run.*disk is full"):
         run(wrk, process, "acquire")
+
+
+def hanging_wrk(tmp_path: Path, hangs: int) -> str:
+    """A wrk that hangs its first ``hangs`` runs, then prints a line as ``fake_wrk``'s."""
+    printing = fake_wrk(tmp_path, {"201": 100})
+    runs = tmp_path / "runs"
+    path = tmp_path / "hanging-wrk"
+    path.write_text(
+        f"#!{sys.executable}\n"
+        "import os, pathlib, time\n"
+        f"runs = pathlib.Path({str(runs)!r})\n"
+        "runs.write_text(runs.read_text() + 'x' if runs.exists() else 'x')\n"
+        f"if len(runs.read_text()) <= {hangs}:\n"
+        "    time.sleep(60)\n"
+        f"os.execv({printing!r}, [{printing!r}])\n"
+    )
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_wrk_that_hangs_is_killed_and_run_once_more(
+    tmp_path: Path, process: Process, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One hung wrk (it happened once in a whole bench) costs a run again, not the
+    quarter of an hour of results before it."""
+    found = run(hanging_wrk(tmp_path, hangs=1), process, "acquire", overrun=0.5)
+    assert (found.requests, found.ops) == (100, 100)
+    assert (
+        "wrk ran over its 2 s by 0.5 s and was killed; running it again" in capsys.readouterr().err
+    )
+    assert (tmp_path / "runs").read_text() == "xx"
+
+
+def test_a_wrk_that_hangs_twice_fails_the_run(tmp_path: Path, process: Process) -> None:
+    with pytest.raises(RuntimeError, match=r"wrk ran over its 2 s by 0\.5 s twice"):
+        run(hanging_wrk(tmp_path, hangs=2), process, "acquire", overrun=0.5)
+    assert (tmp_path / "runs").read_text() == "xx"
