@@ -646,6 +646,30 @@ def test_sigquit_is_passed_on_and_usr1_does_not_cancel_recording(cli: Cli, tmp_p
     assert cli.json(recorded)["result"] == {"exit_code": 5}
 
 
+def _run_with_sigterm_in(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch, owner: Any, name: str, *args: str
+) -> tuple[Result, list[int]]:
+    """``cli(*args)`` with a SIGTERM sent to this process as ``owner.name`` is called
+    (which then runs), under a handler of the test's own that only notes it (without
+    run's handler, SIGTERM would end the test run): the result, and what that handler
+    saw, none of it when run's own handler was in place."""
+    real = getattr(owner, name)
+
+    def with_a_signal(*called: Any, **keywords: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)  # handled between two bytecodes
+        return real(*called, **keywords)
+
+    seen: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    monkeypatch.setattr(owner, name, with_a_signal)
+    try:
+        result = cli(*args)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    monkeypatch.undo()
+    return result, seen
+
+
 def test_a_signal_while_the_status_is_stored_is_said_and_the_lease_let_go(
     cli: Cli, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -653,20 +677,10 @@ def test_a_signal_while_the_status_is_stored_is_said_and_the_lease_let_go(
     seconds when the service is down) stops the storing: run says so with the status on
     stderr, releases the lease and exits 128 + N, where the default action would end it
     silently with the key held to its TTL."""
-    real_complete = LeaseClient.complete
-
-    def complete_during_a_signal(self: Any, *args: Any, **kwargs: Any) -> Any:
-        os.kill(os.getpid(), signal.SIGTERM)  # handled between two bytecodes, before sending
-        return real_complete(self, *args, **kwargs)
-
-    seen: list[int] = []  # the test's own handler: without run's, SIGTERM is only noted
-    before = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
-    monkeypatch.setattr(LeaseClient, "complete", complete_during_a_signal)
-    try:
-        result = cli("run", "--key", "storing", "--ttl", "600", "--complete", "--", "true")
-    finally:
-        signal.signal(signal.SIGTERM, before)
-    monkeypatch.undo()
+    result, seen = _run_with_sigterm_in(  # as complete is called, before it sends
+        cli, monkeypatch, LeaseClient, "complete",
+        "run", "--key", "storing", "--ttl", "600", "--complete", "--", "true",
+    )  # fmt: skip
     assert result.exit_code == 128 + signal.SIGTERM, result.output
     report = json.loads(result.stderr.splitlines()[-1])
     assert report["status"] == "interrupted" and report["exit_code"] == 0
@@ -729,20 +743,10 @@ def test_a_signal_after_the_command_ended_keeps_its_status_from_being_recorded(
     """SIGTERM to run after the command has ended, before its status is stored: run was
     asked to stop, so, as for one passed on to the command, the status is not recorded
     (stderr says so, with it), run exits with it, and the lease is let go."""
-    real_status = _cli_module._shell_status
-
-    def status_during_a_signal(returncode: int) -> int:
-        os.kill(os.getpid(), signal.SIGTERM)  # the command is gone: run notes it
-        return real_status(returncode)
-
-    seen: list[int] = []
-    before = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
-    monkeypatch.setattr(_cli_module, "_shell_status", status_during_a_signal)
-    try:
-        result = cli("run", "--key", "ended", "--complete", "--", "sh", "-c", "exit 3")
-    finally:
-        signal.signal(signal.SIGTERM, before)
-    monkeypatch.undo()
+    result, seen = _run_with_sigterm_in(  # the command is gone: run notes it
+        cli, monkeypatch, _cli_module, "_shell_status",
+        "run", "--key", "ended", "--complete", "--", "sh", "-c", "exit 3",
+    )  # fmt: skip
     assert result.exit_code == 3, result.output
     report = json.loads(result.stderr.splitlines()[-1])
     assert report["status"] == "interrupted" and report["exit_code"] == 3
@@ -757,20 +761,10 @@ def test_a_signal_while_the_lease_is_released_does_not_cut_the_release_short(
     """From the lease acquired to the lease let go, an interruption no step handles is
     noted, not acted on: a SIGTERM as run releases the lease lets the release finish
     (the default action would end run with the key held to its TTL)."""
-    real_release = LeaseClient.release
-
-    def release_during_a_signal(self: Any, *args: Any, **kwargs: Any) -> Any:
-        os.kill(os.getpid(), signal.SIGTERM)
-        return real_release(self, *args, **kwargs)
-
-    seen: list[int] = []
-    before = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
-    monkeypatch.setattr(LeaseClient, "release", release_during_a_signal)
-    try:
-        result = cli("run", "--key", "releasing", "--ttl", "600", "--", "sh", "-c", "exit 4")
-    finally:
-        signal.signal(signal.SIGTERM, before)
-    monkeypatch.undo()
+    result, seen = _run_with_sigterm_in(
+        cli, monkeypatch, LeaseClient, "release",
+        "run", "--key", "releasing", "--ttl", "600", "--", "sh", "-c", "exit 4",
+    )  # fmt: skip
     assert result.exit_code == 4, result.output
     assert seen == []
     assert cli("acquire", "--key", "releasing").exit_code == 0  # released
