@@ -68,15 +68,21 @@ def admin(url: str) -> Any:
     return psycopg.connect(url, autocommit=True, connect_timeout=5)
 
 
+def admin_count(url: str, query: str, *params: object) -> int:
+    """The ``SELECT count(*) …`` of ``query``, asked on an admin connection of its own."""
+    with admin(url) as conn:
+        row = conn.execute(query, params).fetchone()
+    return int(row[0])
+
+
 def relations_in(url: str, schema: str) -> int:
     """How many tables, sequences and indexes ``schema`` holds."""
-    with admin(url) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE n.nspname = %s",
-            (schema,),
-        ).fetchone()
-    return int(row[0])
+    return admin_count(
+        url,
+        "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s",
+        schema,
+    )
 
 
 def new_id() -> bytes:
@@ -327,11 +333,7 @@ def test_a_schema_whose_name_needs_quoting_is_pinned(url: str, clock: FakeClock)
 
     try:
         assert asyncio.run(main()) == 1
-        with admin(url) as conn:
-            tables = conn.execute(
-                "SELECT count(*) FROM pg_tables WHERE schemaname = %s", (name,)
-            ).fetchone()
-        assert tables == (2,)
+        assert admin_count(url, "SELECT count(*) FROM pg_tables WHERE schemaname = %s", name) == 2
     finally:
         with admin(url) as conn:
             conn.execute(f"DROP SCHEMA {quoted} CASCADE")
@@ -1130,13 +1132,8 @@ async def until_a_store_waits_for_a_lock(url: str, schema: str) -> None:
     lock on the server; fail after 10 s."""
     async with asyncio.timeout(10):
         while True:
-            with admin(url) as conn:
-                row = conn.execute(
-                    "SELECT count(*) FROM pg_stat_activity "
-                    "WHERE application_name = %s AND wait_event_type = 'Lock'",
-                    (schema,),
-                ).fetchone()
-            if row[0]:
+            waiting = "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
+            if admin_count(url, waiting + " AND wait_event_type = 'Lock'", schema):
                 return
             await asyncio.sleep(0.01)
 
