@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import leasekeeper
 import leasekeeper.client
 
@@ -25,3 +30,28 @@ def test_implementation_modules_are_private() -> None:
     for name in leasekeeper.client.__all__:
         module = getattr(leasekeeper.client, name).__module__
         assert module.rsplit(".", 1)[-1].startswith("_"), (name, module)
+
+
+def test_a_users_code_is_type_checked_against_the_package(tmp_path: Path) -> None:
+    """The package ships ``py.typed`` (PEP 561): mypy in a user's project reads
+    leasekeeper's annotations instead of refusing it as an untyped library, and
+    catches a wrong call to the client."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "from leasekeeper import LeaseClient\n"
+        "client = LeaseClient('http://127.0.0.1:8787')\n"
+        "reveal_type(client.create_namespace())\n"
+        "client.create_namespace(42)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,  # not the project: its configuration and src/ are not the user's
+        check=False,
+    )
+    out = done.stdout
+    assert "missing library stubs or py.typed marker" not in out, out
+    assert re.search(r'Revealed type is "(builtins\.)?str"', out), out
+    assert 'Too many arguments for "create_namespace"' in out, out
+    assert "Found 1 error in 1 file" in out, out
