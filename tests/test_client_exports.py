@@ -34,17 +34,22 @@ def test_implementation_modules_are_private() -> None:
 
 def test_a_users_code_is_type_checked_against_the_package(tmp_path: Path) -> None:
     """The package ships ``py.typed`` (PEP 561): mypy in a user's project reads
-    leasekeeper's annotations instead of refusing it as an untyped library, and
-    catches a wrong call to the client."""
-    script = tmp_path / "job.py"
-    script.write_text(
+    leasekeeper's annotations instead of refusing it as an untyped library, catches a
+    wrong call to the client, and finds nothing wrong in the README's Python examples
+    (run as one module, as they are written: later ones use the first one's names)."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    examples = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
+    assert len(examples) >= 4
+    (tmp_path / "readme_examples.py").write_text("\n".join(examples))
+    (tmp_path / "job.py").write_text(
         "from leasekeeper import LeaseClient\n"
         "client = LeaseClient('http://127.0.0.1:8787')\n"
         "reveal_type(client.create_namespace())\n"
         "client.create_namespace(42)\n"
     )
+    files = ["job.py", "readme_examples.py"]
     done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", str(script)],
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", *files],
         capture_output=True,
         text=True,
         cwd=tmp_path,  # not the project: its configuration and src/ are not the user's
@@ -52,6 +57,6 @@ def test_a_users_code_is_type_checked_against_the_package(tmp_path: Path) -> Non
     )
     out = done.stdout
     assert "missing library stubs or py.typed marker" not in out, out
-    assert re.search(r'Revealed type is "(builtins\.)?str"', out), out
-    assert 'Too many arguments for "create_namespace"' in out, out
-    assert "Found 1 error in 1 file" in out, out
+    assert re.search(r'job.py:3: note: Revealed type is "(builtins\.)?str"', out), out
+    assert 'job.py:4: error: Too many arguments for "create_namespace"' in out, out
+    assert "Found 1 error in 1 file (checked 2 source files)" in out, out
