@@ -947,3 +947,45 @@ def test_a_new_store_says_where_it_was_created_and_an_existing_one_does_not(
         asyncio.run(open_and_close())
     created = [r.getMessage() for r in caplog.records if "new, empty store" in r.getMessage()]
     assert created == [f"created a new, empty store at {(tmp_path / 'leases.db').resolve()}"]
+
+
+@pytest.mark.parametrize("why", ["not a database", "write lock held elsewhere"])
+def test_a_store_that_cannot_be_opened_closes_its_connection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, why: str
+) -> None:
+    """A failed open() leaves no connection to the garbage collector (which held the file
+    open until it ran, and on Python 3.13 warns of it with a ResourceWarning): one whose
+    set-up failed (a file that is no database, a write lock it could not take) is closed."""
+    from leasekeeper.store import _sqlite
+
+    path = tmp_path / "x.db"
+    opened: list[sqlite3.Connection] = []
+    connect = sqlite3.connect
+
+    def connecting(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        opened.append(connect(*args, **kwargs))
+        return opened[-1]
+
+    monkeypatch.setattr(_sqlite.sqlite3, "connect", connecting)
+    if why == "not a database":
+        path.write_bytes(b"not a database\n" * 300)
+    else:
+        other = sqlite3.connect(path, isolation_level=None)
+        other.execute("PRAGMA journal_mode = WAL")
+        other.execute("CREATE TABLE other (x)")
+        other.execute("BEGIN IMMEDIATE")
+
+    async def main() -> None:
+        store = SqliteStore(path, FakeClock(), timeout_seconds=0.2)
+        with pytest.raises(ServiceUnavailable, match="Cannot open the SQLite store"):
+            await store.open()
+
+    try:
+        asyncio.run(main())
+    finally:
+        if why != "not a database":
+            other.close()
+    assert opened
+    for conn in opened:
+        with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+            conn.execute("SELECT 1")

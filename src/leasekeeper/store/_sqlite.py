@@ -628,6 +628,15 @@ class SqliteStore:
         conn = sqlite3.connect(
             self.path, isolation_level=None, check_same_thread=False, cached_statements=64
         )
+        try:
+            self._set_up(conn)
+        except BaseException:  # a file that is no database, a lock not taken: not left to the GC
+            conn.close()
+            raise
+        return conn
+
+    def _set_up(self, conn: sqlite3.Connection) -> None:
+        """Make ``conn`` the writer's: WAL mode, the schema, the WAL's file descriptor."""
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = FULL")
         conn.execute(f"PRAGMA cache_size = {_CACHE_KIB}")
@@ -655,7 +664,6 @@ class SqliteStore:
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
-            conn.close()
             raise
         if created:  # a server started in another directory than usual shows here
             log.info("created a new, empty store at %s", self.path.resolve())
@@ -666,20 +674,16 @@ class SqliteStore:
         # before any answer (_durable). NORMAL still syncs the WAL's header when the WAL
         # starts over, and both files around each checkpoint, as FULL does.
         conn.execute("PRAGMA synchronous = NORMAL")
-        try:  # the WAL exists from the first read in WAL mode on, for as long as we are open
-            database = str(self.path.resolve())
-            self._wal_fd = os.open(f"{database}-wal", os.O_RDONLY)
-            self._files = tuple(
-                (name, (found.st_dev, found.st_ino))
-                for name, found in (
-                    (database, os.stat(database)),
-                    (f"{database}-wal", os.fstat(self._wal_fd)),
-                )
+        # The WAL exists from the first read in WAL mode on, for as long as we are open.
+        database = str(self.path.resolve())
+        self._wal_fd = os.open(f"{database}-wal", os.O_RDONLY)
+        self._files = tuple(
+            (name, (found.st_dev, found.st_ino))
+            for name, found in (
+                (database, os.stat(database)),
+                (f"{database}-wal", os.fstat(self._wal_fd)),
             )
-        except OSError:
-            conn.close()
-            raise
-        return conn
+        )
 
     def _moved(self) -> str | None:
         """On the thread: what became of the database or WAL file since they were opened
