@@ -43,7 +43,9 @@ import collections
 import concurrent.futures
 import contextlib
 import functools
+import gc
 import importlib.metadata
+import io
 import json
 import logging
 import os
@@ -765,6 +767,7 @@ async def serve_stdio(
     """
     server = create_mcp_server(service)
     stdin = StrictStdin(sys.stdin.fileno(), max_message_bytes)
+    peer_gone = False
     await service.start()
     try:
         async with anyio.create_task_group() as tasks:
@@ -782,6 +785,7 @@ async def serve_stdio(
             tasks.cancel_scope.cancel()
     except* BrokenPipeError:  # the peer closed our stdout: nobody reads the answers
         log.warning("stdout is closed (the MCP client went away); stopping")
+        peer_gone = True
     except* (anyio.BrokenResourceError, anyio.ClosedResourceError):
         # Stopped (Ctrl-C) while answers were on their way: the SDK's streams were closed
         # under them. That is the stop asked for, not a failure; anything else is one.
@@ -789,6 +793,35 @@ async def serve_stdio(
             raise
     finally:
         await service.stop()
+    if peer_gone:
+        _drop_unsendable_answers()
+
+
+def _drop_unsendable_answers() -> None:
+    """Collect now the SDK's stdout writer, whose peer has gone, without a second report.
+
+    The writer (a buffered file on a duplicate of fd 1) still holds the answer whose
+    flush met the closed pipe, and is garbage in a reference cycle (the BrokenPipeError's
+    traceback). Its finalizer flushes again and fails again; Python 3.13 reports that
+    through ``sys.unraisablehook`` (3.11 and 3.12 only in development mode), which
+    prints "Exception ignored in: <_io.BufferedWriter ...>" and the error to stderr:
+    lines that are not the log's JSON, about what the WARNING has said. That one error
+    is dropped here; any other is reported as before.
+    """
+    report = sys.unraisablehook
+
+    def dropping(unraisable: sys.UnraisableHookArgs) -> None:
+        if not (
+            issubclass(unraisable.exc_type, BrokenPipeError)
+            and isinstance(unraisable.object, io.BufferedWriter)
+        ):
+            report(unraisable)
+
+    sys.unraisablehook = dropping
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = report
 
 
 def _stopping() -> bool:
