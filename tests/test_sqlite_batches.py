@@ -989,3 +989,35 @@ def test_a_store_that_cannot_be_opened_closes_its_connection(
     for conn in opened:
         with pytest.raises(sqlite3.ProgrammingError, match="closed"):
             conn.execute("SELECT 1")
+
+
+def test_a_store_whose_file_cannot_be_looked_at_leaves_no_descriptor_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An open() that fails while taking the files' identities (a stat refused) leaves
+    neither the connection nor the WAL's descriptor open behind it."""
+    from leasekeeper.store import _sqlite
+
+    path = tmp_path / "x.db"
+    database = str(path.resolve())
+    stat = os.stat
+
+    def refusing(name: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if name == database:
+            raise PermissionError(13, "Permission denied", name)
+        return stat(name, *args, **kwargs)
+
+    async def main() -> None:
+        store = SqliteStore(path, FakeClock(), timeout_seconds=0.2)
+        with pytest.raises(ServiceUnavailable, match="Cannot open the SQLite store"):
+            await store.open()
+
+    before = set(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(_sqlite.os, "stat", refusing)
+    asyncio.run(main())
+    monkeypatch.undo()
+    opened = {fd for fd in set(os.listdir("/proc/self/fd")) - before if fd.isdigit()}
+    leaked = [
+        os.readlink(f"/proc/self/fd/{fd}") for fd in opened if os.path.exists(f"/proc/self/fd/{fd}")
+    ]
+    assert not [name for name in leaked if name.startswith(database)], leaked

@@ -675,14 +675,14 @@ class SqliteStore:
         # starts over, and both files around each checkpoint, as FULL does.
         conn.execute("PRAGMA synchronous = NORMAL")
         # The WAL exists from the first read in WAL mode on, for as long as we are open.
+        # The file's identity first: once the WAL's descriptor is open nothing may fail.
         database = str(self.path.resolve())
+        found = os.stat(database)
         self._wal_fd = os.open(f"{database}-wal", os.O_RDONLY)
-        self._files = tuple(
-            (name, (found.st_dev, found.st_ino))
-            for name, found in (
-                (database, os.stat(database)),
-                (f"{database}-wal", os.fstat(self._wal_fd)),
-            )
+        wal = os.fstat(self._wal_fd)
+        self._files = (
+            (database, (found.st_dev, found.st_ino)),
+            (f"{database}-wal", (wal.st_dev, wal.st_ino)),
         )
 
     def _moved(self) -> str | None:
