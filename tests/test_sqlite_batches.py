@@ -949,6 +949,17 @@ def test_a_new_store_says_where_it_was_created_and_an_existing_one_does_not(
     assert created == [f"created a new, empty store at {(tmp_path / 'leases.db').resolve()}"]
 
 
+def _open_is_refused(path: Path) -> None:
+    """Opening a store at ``path`` fails, as a store that cannot be opened does."""
+
+    async def main() -> None:
+        store = SqliteStore(path, FakeClock(), timeout_seconds=0.2)
+        with pytest.raises(ServiceUnavailable, match="Cannot open the SQLite store"):
+            await store.open()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("why", ["not a database", "write lock held elsewhere"])
 def test_a_store_that_cannot_be_opened_closes_its_connection(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, why: str
@@ -975,13 +986,8 @@ def test_a_store_that_cannot_be_opened_closes_its_connection(
         other.execute("CREATE TABLE other (x)")
         other.execute("BEGIN IMMEDIATE")
 
-    async def main() -> None:
-        store = SqliteStore(path, FakeClock(), timeout_seconds=0.2)
-        with pytest.raises(ServiceUnavailable, match="Cannot open the SQLite store"):
-            await store.open()
-
     try:
-        asyncio.run(main())
+        _open_is_refused(path)
     finally:
         if why != "not a database":
             other.close()
@@ -996,8 +1002,6 @@ def test_a_store_whose_file_cannot_be_looked_at_leaves_no_descriptor_open(
 ) -> None:
     """An open() that fails while taking the files' identities (a stat refused) leaves
     neither the connection nor the WAL's descriptor open behind it."""
-    from leasekeeper.store import _sqlite
-
     path = tmp_path / "x.db"
     database = str(path.resolve())
     stat = os.stat
@@ -1007,14 +1011,9 @@ def test_a_store_whose_file_cannot_be_looked_at_leaves_no_descriptor_open(
             raise PermissionError(13, "Permission denied", name)
         return stat(name, *args, **kwargs)
 
-    async def main() -> None:
-        store = SqliteStore(path, FakeClock(), timeout_seconds=0.2)
-        with pytest.raises(ServiceUnavailable, match="Cannot open the SQLite store"):
-            await store.open()
-
     before = set(os.listdir("/proc/self/fd"))
-    monkeypatch.setattr(_sqlite.os, "stat", refusing)
-    asyncio.run(main())
+    monkeypatch.setattr(os, "stat", refusing)  # the process's: undone right after the open
+    _open_is_refused(path)
     monkeypatch.undo()
     opened = {fd for fd in set(os.listdir("/proc/self/fd")) - before if fd.isdigit()}
     leaked = [
