@@ -612,6 +612,34 @@ def test_the_fsync_is_of_the_wal_file(tmp_path: Path, monkeypatch: pytest.Monkey
     asyncio.run(main())
 
 
+def test_where_python_has_no_fdatasync_the_wal_is_fsynced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python has no ``os.fdatasync`` on macOS (nor on Windows): there the WAL is
+    fsynced instead, and requests are answered, not refused as if the disk had failed."""
+    from leasekeeper.store import _sqlite
+
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.delattr(_sqlite.os, "fdatasync")
+    monkeypatch.setattr(_sqlite.os, "fsync", recording)
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "w.db", FakeClock())
+        await store.open()
+        decision = await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        assert isinstance(decision.outcome, Granted)
+        assert synced == [str((tmp_path / "w.db").resolve()) + "-wal"]
+        await store.close()
+
+    asyncio.run(main())
+
+
 def test_the_fsync_that_answers_a_batch_began_after_its_commit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

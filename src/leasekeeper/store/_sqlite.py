@@ -200,6 +200,17 @@ _REFUSING = frozenset(
 )
 
 
+def _sync_data(fd: int) -> None:
+    """Make ``fd``'s writes durable as SQLite does: ``fdatasync``, or ``fsync`` where
+    there is none (Python has no ``os.fdatasync`` on macOS or Windows; SQLite falls
+    back to ``fsync`` where the system lacks ``fdatasync`` too)."""
+    data_sync = getattr(os, "fdatasync", None)
+    if data_sync is None:
+        os.fsync(fd)
+    else:
+        data_sync(fd)
+
+
 def _primary_code(exc: sqlite3.Error) -> int:
     """SQLite's primary result code of ``exc`` (its extended code's low byte); 0 for the
     sqlite3 module's own errors, which carry none."""
@@ -622,7 +633,7 @@ class SqliteStore:
 
     def _sync_wal(self) -> None:
         """Make every COMMIT so far durable: the fsync ``synchronous=FULL`` makes in each."""
-        os.fdatasync(self._wal_fd)
+        _sync_data(self._wal_fd)
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(
