@@ -1025,6 +1025,28 @@ def test_a_store_that_cannot_be_opened_closes_its_connection(
             conn.execute("SELECT 1")
 
 
+def test_a_python_whose_sqlite_is_too_old_is_refused_at_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An SQLite library older than 3.24.0 has no upsert, so every batch would fail: the
+    store refuses to open instead, says which version it found and which it needs, and
+    makes no file."""
+    from leasekeeper.store import _sqlite
+
+    monkeypatch.setattr(_sqlite.sqlite3, "sqlite_version_info", (3, 23, 1))
+    monkeypatch.setattr(_sqlite.sqlite3, "sqlite_version", "3.23.1")
+    path = tmp_path / "x.db"
+
+    async def main() -> None:
+        store = SqliteStore(path, FakeClock())
+        with pytest.raises(ServiceUnavailable) as refused:
+            await store.open()
+        assert "SQLite is 3.23.1; leasekeeper needs 3.24.0 or later" in refused.value.error
+
+    asyncio.run(main())
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_store_whose_file_cannot_be_looked_at_leaves_no_descriptor_open(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

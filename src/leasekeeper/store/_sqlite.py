@@ -65,6 +65,8 @@ __all__ = ["SqliteStore"]
 log = logging.getLogger("leasekeeper.store.sqlite")
 
 SCHEMA_VERSION = 1
+#: The oldest SQLite library that runs the store's statements (upserts: 3.24.0).
+_OLDEST_SQLITE = (3, 24, 0)
 #: Page cache of the writer connection, in KiB when negative (SQLite default: 2 MiB).
 _CACHE_KIB = -65_536
 #: The WAL file is truncated to this size when it starts over.
@@ -636,6 +638,13 @@ class SqliteStore:
         _sync_data(self._wal_fd)
 
     def _connect(self) -> sqlite3.Connection:
+        if sqlite3.sqlite_version_info < _OLDEST_SQLITE:
+            # Refused before any file is made: every batch's upsert would fail instead.
+            oldest = ".".join(map(str, _OLDEST_SQLITE))
+            raise RuntimeError(
+                f"this Python's SQLite is {sqlite3.sqlite_version}; leasekeeper needs "
+                f"{oldest} or later (for its upserts): use a Python built with a newer SQLite"
+            )
         conn = sqlite3.connect(
             self.path, isolation_level=None, check_same_thread=False, cached_statements=64
         )
