@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 
 from leasekeeper import AsyncLeaseClient, LeaseClient
-from leasekeeper._clock import elapsed_seconds
+from leasekeeper._clock import _elapsed_clock, elapsed_seconds
 from leasekeeper.client import RenewalPlan
 from leasekeeper.client._timing import (
     MAX_HOLD_OFF_SECONDS,
@@ -96,6 +97,30 @@ def test_failures_retry_sooner_and_never_past_the_expiry() -> None:
     assert plan.next_at == 30.0  # capped at the expiry
     plan.renewed(30, sent_at=30.0)
     assert plan.failures == 0
+
+
+@pytest.mark.parametrize(
+    ("platform", "names", "read"),
+    [
+        ("linux", ("CLOCK_BOOTTIME", "CLOCK_MONOTONIC"), "clock 7"),
+        ("darwin", ("CLOCK_MONOTONIC",), "clock 6"),
+        ("win32", (), "monotonic"),
+        ("freebsd14", ("CLOCK_MONOTONIC",), "monotonic"),
+    ],
+)
+def test_elapsed_time_is_read_from_a_clock_that_counts_a_suspend(
+    platform: str, names: tuple[str, ...], read: str
+) -> None:
+    """CLOCK_BOOTTIME where there is one (Linux); on macOS CLOCK_MONOTONIC, which goes
+    on while the machine sleeps, where time.monotonic (mach_absolute_time) stops; the
+    monotonic clock elsewhere."""
+    ids = {"CLOCK_BOOTTIME": 7, "CLOCK_MONOTONIC": 6}
+    clocks = SimpleNamespace(
+        clock_gettime_ns=lambda clock: f"clock {clock}",
+        monotonic_ns=lambda: "monotonic",
+        **{name: ids[name] for name in names},
+    )
+    assert _elapsed_clock(clocks, platform)() == read
 
 
 def test_clients_measure_leases_on_a_clock_that_counts_a_suspend() -> None:

@@ -8,10 +8,12 @@ Production uses ``SystemClock``; tests use ``FakeClock`` and cross TTLs and the
 
 from __future__ import annotations
 
+import functools
+import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = ["Clock", "FakeClock", "SystemClock", "elapsed_ns", "elapsed_seconds"]
 
@@ -24,15 +26,24 @@ class Clock(Protocol):
         ...
 
 
-def _boottime_ns() -> int:
-    return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+def _elapsed_clock(clocks: Any, platform: str) -> Callable[[], int]:
+    """What ``elapsed_ns`` reads, from ``clocks`` (the ``time`` module) on ``platform``
+    (``sys.platform``): a clock that counts a suspend of the machine as the wall clock
+    does, where there is one. ``CLOCK_BOOTTIME`` on Linux; on macOS ``CLOCK_MONOTONIC``,
+    which its ``clock_gettime`` documents as going on while the system sleeps (there
+    ``time.monotonic`` reads ``mach_absolute_time``, which stops); else the monotonic
+    clock."""
+    if hasattr(clocks, "CLOCK_BOOTTIME"):
+        return functools.partial(clocks.clock_gettime_ns, clocks.CLOCK_BOOTTIME)
+    if platform == "darwin" and hasattr(clocks, "CLOCK_MONOTONIC"):
+        return functools.partial(clocks.clock_gettime_ns, clocks.CLOCK_MONOTONIC)
+    monotonic_ns: Callable[[], int] = clocks.monotonic_ns
+    return monotonic_ns
 
 
-#: Nanoseconds of elapsed time: CLOCK_BOOTTIME where there is one (Linux), which
-#: counts a suspend of the machine as the wall clock does; else the monotonic clock.
-elapsed_ns: Callable[[], int] = (
-    _boottime_ns if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic_ns
-)
+#: Nanoseconds of elapsed time, counting a suspend of the machine where the platform
+#: has a clock that does (``_elapsed_clock``).
+elapsed_ns: Callable[[], int] = _elapsed_clock(time, sys.platform)
 
 
 def elapsed_seconds() -> float:
