@@ -64,11 +64,14 @@ class Cli:
     def client(self, url: str = BASE_URL, timeout: float = 10.0) -> LeaseClient:
         return LeaseClient(BASE_URL, transport=bridge(self.api), timeout=timeout)
 
-    def __call__(self, *args: str, input: str | None = None) -> Result:
+    def __call__(
+        self, *args: str, input: str | bytes | None = None, charset: str = "utf-8"
+    ) -> Result:
+        """``charset``: the encoding of the streams, as a locale would set it."""
         env = CliEnvironment(
             environ=self.environ, make_client=self.client, stderr_is_terminal=lambda: self.terminal
         )
-        return CliRunner().invoke(main, list(args), obj=env, input=input)
+        return CliRunner(charset=charset).invoke(main, list(args), obj=env, input=input)
 
     def json(self, result: Result) -> Any:
         return orjson.loads(result.stdout)
@@ -280,6 +283,23 @@ def test_secrets_from_files_and_stdin(cli: Cli, tmp_path: Path) -> None:
     assert third.exit_code == EXIT_HELD
     # Without a namespace, a readable key is invalid: the service says how to make one.
     assert cli("acquire", "--key", "readable").exit_code == EXIT_INVALID
+
+
+def test_stdin_is_read_as_utf8_whatever_the_locale(cli: Cli) -> None:
+    """What ``-`` reads is UTF-8, as a file is, even where the locale's encoding is
+    another (here Latin-1): a result is stored as sent, not garbled ("rÃ©sumÃ©"), and a
+    key is the key that ``--key`` names. Bytes that are not UTF-8 are a usage error."""
+    key = cli("acquire", "--key-file", "-", input="clé".encode(), charset="latin-1")
+    assert key.exit_code == 0, key.output
+    assert cli("acquire", "--key", "clé").exit_code == EXIT_HELD  # the same key
+    cli.environ["LEASEKEEPER_OWNER_TOKEN"] = cli.json(key)["owner_token"]
+    result = '{"msg": "résumé"}'.encode()
+    done = cli("complete", "--key", "clé", "--result-file", "-", input=result, charset="latin-1")
+    assert done.exit_code == 0, done.output
+    assert cli.json(cli("acquire", "--key", "clé"))["result"] == {"msg": "résumé"}
+    latin = cli("acquire", "--key-file", "-", input="clé".encode("latin-1"), charset="latin-1")
+    assert latin.exit_code == 2
+    assert "--key-file: cannot read the file (UnicodeDecodeError)" in latin.stderr
 
 
 def test_stdin_read_for_two_options_and_a_namespace_that_is_not_text(

@@ -289,7 +289,7 @@ def _read_file(path: str, option: str, *, exact: bool = False) -> str:
                 f"{option}: stdin (-) is already read for {meta['leasekeeper.stdin']}"
             )
     try:
-        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+        text = _read_stdin() if path == "-" else Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise click.UsageError(
             f"{option}: cannot read the file ({exc.__class__.__name__})"
@@ -297,6 +297,17 @@ def _read_file(path: str, option: str, *, exact: bool = False) -> str:
     if exact:
         return text.removesuffix("\n").removesuffix("\r")
     return text.strip()
+
+
+def _read_stdin() -> str:
+    """Stdin's text, as UTF-8 like a file's, whatever the locale says: JSON is UTF-8, and a
+    key read in the locale's encoding (Latin-1, say) would be another key than the same
+    bytes in a file, and a result would be stored garbled ("rÃ©sumÃ©")."""
+    raw = getattr(sys.stdin, "buffer", None)
+    if raw is None:  # a text-only stream put in its place
+        return sys.stdin.read()
+    data: bytes = raw.read()
+    return data.decode("utf-8")
 
 
 def _secret(
