@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from leasekeeper import FakeClock
-from leasekeeper._logging import JsonFormatter
+from leasekeeper._logging import JsonFormatter, formatter_for
 from leasekeeper.store import MemoryStore
 from tests.conftest import STORE_KINDS, Api, ApiFactory, ManualSleep, metric
 
@@ -36,6 +36,28 @@ def log_lines() -> Iterator[io.StringIO]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
+
+
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1", "utf-8"])
+def test_log_lines_stay_json_on_a_stderr_that_is_not_utf8(encoding: str) -> None:
+    """Where stderr's encoding is not UTF-8 (an ASCII or Latin-1 locale), a line holding
+    characters past ASCII (a path, a PostgreSQL message in another language) is still
+    one line of JSON that a UTF-8 reader parses, those characters as \\u escapes; on a
+    UTF-8 stderr they are written as they are."""
+    raw = io.BytesIO()
+    stream = io.TextIOWrapper(raw, encoding=encoding, errors="backslashreplace")
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(formatter_for(stream))
+    logger = logging.getLogger("leasekeeper.test_encoding")
+    logger.addHandler(handler)
+    try:
+        logger.warning("created a new store at /srv/ünï/leasekeeper.db (日本)")
+    finally:
+        logger.removeHandler(handler)
+    stream.flush()
+    (line,) = raw.getvalue().decode("utf-8").splitlines()
+    assert json.loads(line)["message"] == "created a new store at /srv/ünï/leasekeeper.db (日本)"
+    assert line.isascii() is (encoding != "utf-8")
 
 
 def test_every_response_has_its_own_request_id(api: Api) -> None:

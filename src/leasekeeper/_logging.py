@@ -11,7 +11,9 @@ request's task, so a client's report of a failure can be matched to its log line
 
 from __future__ import annotations
 
+import codecs
 import contextvars
+import json
 import logging
 import sys
 import time
@@ -25,9 +27,25 @@ REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", d
 
 
 class JsonFormatter(logging.Formatter):
-    """``{"ts": ..., "level": ..., "logger": ..., "message": ...}`` per record."""
+    """``{"ts": ..., "level": ..., "logger": ..., "message": ...}`` per record.
+
+    With ``ascii_only``, every character past ASCII is written as a JSON ``\\uXXXX``
+    escape: for a stderr whose encoding is not UTF-8 (a Latin-1 or ASCII locale), which
+    would write ``ü`` as a Latin-1 byte, or as ``\\xfc``, and the line would be neither
+    UTF-8 nor JSON.
+    """
+
+    def __init__(self, *, ascii_only: bool = False) -> None:
+        super().__init__()
+        self.ascii_only = ascii_only
 
     def format(self, record: logging.LogRecord) -> str:
+        line = self._json(record)
+        if self.ascii_only and not line.isascii():
+            return json.dumps(orjson.loads(line), separators=(",", ":"))  # escapes past ASCII
+        return line
+
+    def _json(self, record: logging.LogRecord) -> str:
         entry = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
             + f".{int(record.msecs):03d}Z",
@@ -51,10 +69,20 @@ def _escaped(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def formatter_for(stream: object) -> JsonFormatter:
+    """The formatter for JSON lines written to ``stream``: ASCII only unless the stream
+    writes UTF-8 (``JsonFormatter``)."""
+    try:
+        encoding = codecs.lookup(getattr(stream, "encoding", None) or "utf-8").name
+    except LookupError:
+        encoding = "unknown"
+    return JsonFormatter(ascii_only=encoding != "utf-8")
+
+
 def configure_logging(level: str = "INFO") -> None:
     """Send every log record, uvicorn's included, to stderr as JSON lines."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
+    handler.setFormatter(formatter_for(sys.stderr))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
