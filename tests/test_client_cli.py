@@ -302,6 +302,18 @@ def test_stdin_is_read_as_utf8_whatever_the_locale(cli: Cli) -> None:
     assert "--key-file: cannot read the file (UnicodeDecodeError)" in latin.stderr
 
 
+def test_output_is_utf8_whatever_the_locale(cli: Cli) -> None:
+    """The JSON on stdout is UTF-8 even where the locale's encoding is another: a Latin-1
+    stdout cannot encode "日本", and printing a stored result that holds it raised
+    UnicodeEncodeError (exit 1, a traceback) instead."""
+    acquired = cli.json(cli("acquire", "--key", "k"))
+    cli.environ["LEASEKEEPER_OWNER_TOKEN"] = acquired["owner_token"]
+    assert cli("complete", "--key", "k", "--result", '{"m": "日本é"}').exit_code == 0
+    replay = cli("acquire", "--key", "k", charset="latin-1")
+    assert replay.exit_code == EXIT_COMPLETED, replay.output
+    assert orjson.loads(replay.stdout_bytes)["result"] == {"m": "日本é"}
+
+
 def test_stdin_read_for_two_options_and_a_namespace_that_is_not_text(
     cli: Cli, tmp_path: Path
 ) -> None:

@@ -160,8 +160,10 @@ def _print_json(body: Mapping[str, Any], *, err: bool = False) -> None:
     if (sys.stderr if err else sys.stdout) is None:
         raise _OutputLost(f"cannot write the {'error' if err else 'output'}: it is closed")
     # The client's own encoding (Python's json): a result may hold integers past 64 bits.
+    # Written as UTF-8 bytes whatever the locale: JSON is UTF-8, and a Latin-1 stdout
+    # could not encode a result's "日本" at all.
     try:
-        click.echo(encode(dict(body)).decode("utf-8"), err=err)
+        click.echo(encode(dict(body)), err=err)
     except OSError as error:  # BrokenPipeError included
         raise _OutputLost(f"cannot write the {'error' if err else 'output'}: {error}") from None
 
