@@ -302,6 +302,22 @@ def test_stdin_is_read_as_utf8_whatever_the_locale(cli: Cli) -> None:
     assert "--key-file: cannot read the file (UnicodeDecodeError)" in latin.stderr
 
 
+def test_a_byte_order_mark_before_a_file_or_stdin_is_dropped(cli: Cli, tmp_path: Path) -> None:
+    """Notepad starts a UTF-8 file with a byte-order mark: dropped, as the service drops
+    one before a body, so that the key is the one ``--key`` names and the JSON parses."""
+    bom = "\ufeff".encode()
+    (tmp_path / "key.txt").write_bytes(bom + "clé\r\n".encode())
+    first = cli("acquire", "--key-file", str(tmp_path / "key.txt"))
+    assert first.exit_code == 0, first.output
+    assert cli("acquire", "--key", "clé").exit_code == EXIT_HELD
+    assert cli("acquire", "--key-file", "-", input=bom + "clé".encode()).exit_code == EXIT_HELD
+    cli.environ["LEASEKEEPER_OWNER_TOKEN"] = cli.json(first)["owner_token"]
+    (tmp_path / "result.json").write_bytes(bom + b'{"a": 1}')
+    done = cli("complete", "--key", "clé", "--result-file", str(tmp_path / "result.json"))
+    assert done.exit_code == 0, done.output
+    assert cli.json(done)["result"] == {"a": 1}
+
+
 def test_output_is_utf8_whatever_the_locale(cli: Cli) -> None:
     """The JSON on stdout is UTF-8 even where the locale's encoding is another: a Latin-1
     stdout cannot encode "日本", and printing a stored result that holds it raised

@@ -291,7 +291,7 @@ def _read_file(path: str, option: str, *, exact: bool = False) -> str:
                 f"{option}: stdin (-) is already read for {meta['leasekeeper.stdin']}"
             )
     try:
-        text = _read_stdin() if path == "-" else Path(path).read_text(encoding="utf-8")
+        text = _read_stdin() if path == "-" else Path(path).read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise click.UsageError(
             f"{option}: cannot read the file ({exc.__class__.__name__})"
@@ -304,12 +304,14 @@ def _read_file(path: str, option: str, *, exact: bool = False) -> str:
 def _read_stdin() -> str:
     """Stdin's text, as UTF-8 like a file's, whatever the locale says: JSON is UTF-8, and a
     key read in the locale's encoding (Latin-1, say) would be another key than the same
-    bytes in a file, and a result would be stored garbled ("rÃ©sumÃ©")."""
+    bytes in a file, and a result would be stored garbled ("rÃ©sumÃ©"). A byte-order mark
+    at the start is dropped, from a file too (Notepad writes one): it would make another
+    key, as the service ignores one before a body."""
     raw = getattr(sys.stdin, "buffer", None)
     if raw is None:  # a text-only stream put in its place
-        return sys.stdin.read()
+        return sys.stdin.read().removeprefix("\ufeff")
     data: bytes = raw.read()
-    return data.decode("utf-8")
+    return data.decode("utf-8-sig")
 
 
 def _secret(
