@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -328,6 +329,15 @@ def test_output_is_utf8_whatever_the_locale(cli: Cli) -> None:
     replay = cli("acquire", "--key", "k", charset="latin-1")
     assert replay.exit_code == EXIT_COMPLETED, replay.output
     assert orjson.loads(replay.stdout_bytes)["result"] == {"m": "日本é"}
+
+
+def test_output_goes_to_a_stdout_that_takes_only_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A program that runs the CLI with a StringIO for stdout (``redirect_stdout``) gets
+    the JSON as text: there are no bytes beneath to write UTF-8 to."""
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    _cli_module._print_json({"ok": True, "result": {"m": "日本é"}})
+    assert orjson.loads(out.getvalue())["result"] == {"m": "日本é"}
 
 
 def test_stdin_read_for_two_options_and_a_namespace_that_is_not_text(
