@@ -155,16 +155,16 @@ class _OutputLost(Exception):
 
 
 def _print_json(body: Mapping[str, Any], *, err: bool = False) -> None:
+    stream = sys.stderr if err else sys.stdout
     # Started with the descriptor closed, Python has None for the stream, and click.echo
     # would write nothing and say nothing: the answer (an owner token) would be lost.
-    if (sys.stderr if err else sys.stdout) is None:
+    if stream is None:
         raise _OutputLost(f"cannot write the {'error' if err else 'output'}: it is closed")
     # The client's own encoding (Python's json): a result may hold integers past 64 bits.
     # Written as UTF-8 bytes whatever the locale: JSON is UTF-8, and a Latin-1 stdout
     # could not encode a result's "日本" at all. A stream with no bytes beneath it (a
     # StringIO put in its place) takes the text.
     data = encode(dict(body))
-    stream = sys.stderr if err else sys.stdout
     try:
         click.echo(data if hasattr(stream, "buffer") else data.decode("utf-8"), err=err)
     except OSError as error:  # BrokenPipeError included
