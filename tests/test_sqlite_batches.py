@@ -13,6 +13,7 @@ import errno
 import itertools
 import logging
 import os
+import re
 import secrets
 import sqlite3
 import threading
@@ -977,12 +978,14 @@ def test_a_new_store_says_where_it_was_created_and_an_existing_one_does_not(
     assert created == [f"created a new, empty store at {(tmp_path / 'leases.db').resolve()}"]
 
 
-def _open_is_refused(path: Path) -> None:
-    """Opening a store at ``path`` fails, as a store that cannot be opened does."""
+def _open_is_refused(path: Path, why: str = "") -> None:
+    """Opening a store at ``path`` fails, as a store that cannot be opened does, saying
+    ``why`` after that."""
 
     async def main() -> None:
         store = SqliteStore(path, FakeClock(), timeout_seconds=0.2)
-        with pytest.raises(ServiceUnavailable, match="Cannot open the SQLite store"):
+        refusal = re.escape("Cannot open the SQLite store") + ".*" + re.escape(why)
+        with pytest.raises(ServiceUnavailable, match=refusal):
             await store.open()
 
     asyncio.run(main())
@@ -1035,15 +1038,7 @@ def test_a_python_whose_sqlite_is_too_old_is_refused_at_open(
 
     monkeypatch.setattr(_sqlite.sqlite3, "sqlite_version_info", (3, 23, 1))
     monkeypatch.setattr(_sqlite.sqlite3, "sqlite_version", "3.23.1")
-    path = tmp_path / "x.db"
-
-    async def main() -> None:
-        store = SqliteStore(path, FakeClock())
-        with pytest.raises(ServiceUnavailable) as refused:
-            await store.open()
-        assert "SQLite is 3.23.1; leasekeeper needs 3.24.0 or later" in refused.value.error
-
-    asyncio.run(main())
+    _open_is_refused(tmp_path / "x.db", "SQLite is 3.23.1; leasekeeper needs 3.24.0 or later")
     assert list(tmp_path.iterdir()) == []
 
 
