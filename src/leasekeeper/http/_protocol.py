@@ -286,7 +286,12 @@ class _BoundedPipeline:
     and then the connection is ended without a reset (``_lk_linger``).
 
     A request that asks to close the connection ends it the same way, after its
-    answer. And it remembers the request that runs: when the connection is lost,
+    answer, and so does an answer sent before its request's body has all arrived (a
+    404, a 405, a 413, a 503 at a limit): the rest of that body, which the app will
+    not read, cannot be told from a next request's head (uvicorn's parser stops
+    framing a request once it is answered), so the connection takes no more
+    requests; what the client still sends is read and dropped. And it remembers
+    the request that runs: when the connection is lost,
     uvicorn tells only the request parsed last, so one still running behind waiting
     ones wrote its answer to the closed connection (a traceback in the log per such
     connection).
@@ -306,6 +311,14 @@ class _BoundedPipeline:
     _lk_lingering = False
     #: The request whose application runs (uvicorn keeps only the last parsed).
     _lk_running: Any = None
+    #: A request asked to close the connection: it ends without a reset after that answer.
+    _lk_closing = False
+    #: Every request's transport on this connection (set in ``connection_made``).
+    _lk_request_transport: Any = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._lk_request_transport = _RequestTransport(self)
 
     def data_received(self, data: bytes) -> None:
         if not self._lk_lingering:
@@ -329,20 +342,37 @@ class _BoundedPipeline:
             self._lk_overflowed = True
             self.pipeline.popleft()  # this one (uvicorn adds on the left): never run
         cycle = self.cycle
-        if cycle is not None and not cycle.keep_alive and cycle.transport is self.transport:
-            # It asks to close the connection (HTTP/1.0, Connection: close): uvicorn
-            # closes once it is answered, maybe with later requests unread.
-            cycle.transport = _LingeringClose(self)
+        if cycle is not None and cycle.transport is self.transport:  # a request began
+            # uvicorn closes the request's transport when its answer ends the connection.
+            cycle.transport = self._lk_request_transport
+            if not cycle.keep_alive:
+                # It asks to close the connection (HTTP/1.0, Connection: close): uvicorn
+                # closes once it is answered, maybe with later requests unread.
+                self._lk_closing = True
 
     def on_response_complete(self) -> None:
         if self._lk_lingering:  # the connection is ending: nothing more runs
             return
-        if self._lk_overflowed and not self.pipeline:
+        if self._lk_body_coming() or (self._lk_overflowed and not self.pipeline):
             self._lk_linger()
             return
         super().on_response_complete()  # type: ignore[misc]
         if (self.pipeline or self._lk_overflowed) and not self.transport.is_closing():
             self.flow.pause_reading()  # uvicorn resumed: not while requests still wait
+
+    def _lk_body_coming(self) -> bool:
+        """The request being answered has not received all its body."""
+        running = self._lk_running
+        return running is not None and bool(running.more_body)
+
+    def _lk_close(self) -> None:
+        """A request's transport is closed (its answer ends the connection, or the app
+        failed): without a reset when the client's bytes may be left unread (requests
+        after one that asked to close, the rest of a body); otherwise at once."""
+        if self._lk_closing or self._lk_body_coming():
+            self._lk_linger()
+        else:
+            self.transport.close()
 
     def _lk_linger(self) -> None:
         """End the connection after the answers already written, without a reset.
@@ -365,17 +395,18 @@ class _BoundedPipeline:
         self.loop.call_later(self.request_timeout, self.transport.close)
 
 
-class _LingeringClose:
-    """The transport a request that asks to close the connection writes its answer to:
-    its ``close`` is ``_BoundedPipeline._lk_linger``, so that requests sent after it,
-    unread, do not make the kernel reset the connection and lose that answer."""
+class _RequestTransport:
+    """The transport every request of a connection writes its answer to: its ``close``
+    is ``_BoundedPipeline._lk_close``, so that bytes the client sent after what was
+    read (later requests, the rest of a body) do not make the kernel reset the
+    connection and lose the answer."""
 
     __slots__ = ("close", "is_closing", "write")
 
     def __init__(self, protocol: Any) -> None:
         self.write = protocol.transport.write
         self.is_closing = protocol.transport.is_closing
-        self.close = protocol._lk_linger
+        self.close = protocol._lk_close
 
 
 class _AfterReplayedHead:
