@@ -1179,24 +1179,62 @@ def test_a_request_that_closes_the_connection_mid_pipeline_keeps_the_answers(
     assert responses_in(data) == [200] * 21 and not reset
 
 
+def read_answers(sock: socket.socket, count: int) -> list[int]:
+    """The statuses of the next ``count`` answers on ``sock``, which stays open."""
+    data = b""
+    while True:
+        try:
+            statuses = responses_in(data)
+        except (KeyError, ValueError, IndexError):  # an answer not whole yet
+            statuses = []
+        if len(statuses) >= count and data.endswith(b"}"):
+            return statuses
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection ended after {data!r}"
+        data += chunk
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("path", "status"), [("/nowhere", 404), ("/healthz", 405)])
-def test_an_answer_sent_before_its_body_arrived_ends_the_connection_cleanly(
+def test_the_rest_of_a_body_answered_early_is_not_taken_for_a_head(
     server: Server, path: str, status: int
 ) -> None:
     """A POST whose large body is still coming when the server answers without reading
-    it (404, 405): the rest of the body is read and dropped, not taken for the next
+    it (404, 405): the rest of the body is read and dropped, not counted as the next
     request's head (it was: past 64 KiB of it, the client's next request got a 431 about
-    headers it never sent), and the connection ends with an end of stream, not a reset,
-    with nothing after the answer."""
+    headers it never sent), and the next request on the connection is served."""
     sock = connect(server)
     size = 200_000
     head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {size}\r\n\r\n"
     sock.sendall(head.encode() + b"a" * 1000)
-    first = sock.recv(65536)  # the answer, sent before the rest of the body
+    assert read_answers(sock, 1) == [status]  # sent before the rest of the body
     sock.sendall(b"a" * (size - 1000) + HEALTH)
+    assert read_answers(sock, 1) == [200]
+    sock.sendall(LAST)
     data, reset = read_to_the_end(sock)
-    assert responses_in(first + data) == [status] and not reset
+    assert responses_in(data) == [200] and not reset
+
+
+@pytest.mark.slow
+def test_the_rest_of_a_body_answered_early_must_come_within_the_request_timeout(
+    server: Server,
+) -> None:
+    """After an early answer, the rest of the body is given the request timeout (1 s
+    here) to arrive, however it trickles: then the connection is ended, with an end of
+    stream and no other answer."""
+    sock = connect(server)
+    sock.sendall(b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
+    assert read_answers(sock, 1) == [404]
+    started = time.monotonic()
+    sock.settimeout(TIMEOUT / 5)
+    data = None
+    while data is None and time.monotonic() - started < 5 * TIMEOUT:
+        sock.sendall(b"a")  # a byte at a time
+        with contextlib.suppress(TimeoutError):
+            data = sock.recv(65536)
+    ended = time.monotonic() - started
+    sock.close()
+    assert data == b"" and ended < 2.5 * TIMEOUT  # an end of stream, nothing before it
 
 
 @pytest.mark.slow

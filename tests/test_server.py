@@ -1006,3 +1006,32 @@ def test_a_stop_signal_answers_the_request_in_flight_then_exits(
     assert "Application shutdown complete" in log.read_text()
     with contextlib.closing(sqlite3.connect(tmp_path / "graceful.db")) as conn:
         assert conn.execute("SELECT count(*) FROM leases").fetchone() == (1,)
+
+
+def test_a_stop_is_not_held_up_by_a_body_that_stopped_coming(tmp_path: Path) -> None:
+    """A request whose body stops arriving gets its 408 after the request timeout (3 s
+    here); when the server is stopping, that connection then closes at once, though its
+    client keeps it open: a stop waits for every connection, and did so for one more
+    request timeout, while the server read and dropped what the client might still send."""
+    log = tmp_path / "server.log"
+    env = {"LEASEKEEPER_REQUEST_TIMEOUT_SECONDS": "3"}
+    server = start_server(f"sqlite:///{tmp_path}/stop.db", log, env)
+    try:
+        port = int(server.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"na")  # fmt: skip
+            deadline = time.monotonic() + 10
+            while (
+                "leasekeeper_requests_in_flight 2.0" not in httpx.get(server.url + "/metrics").text
+            ):
+                assert time.monotonic() < deadline  # (the /metrics request counts itself)
+                time.sleep(0.02)
+            stopped = time.monotonic()
+            server.process.send_signal(signal.SIGTERM)
+            assert server.process.wait(10) == -signal.SIGTERM
+            took = time.monotonic() - stopped
+            answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 408 ") and took < 4.5
+    finally:
+        server.stop()

@@ -115,9 +115,7 @@ class _SlowClientGuard:
 
     def data_received(self, data: bytes) -> None:
         waiting, before = self._lk_waiting(), self.cycle
-        # Once the request being answered has all its body, what follows is the next
-        # request's head: bounded too, though its answer must wait for the one before.
-        following = waiting or not before.more_body
+        following = self._lk_head_may_follow(waiting)
         super().data_received(data)  # type: ignore[misc]
         if self.cycle is not before:  # headers complete: a request began
             self._lk_disarm()
@@ -128,6 +126,13 @@ class _SlowClientGuard:
                 self._lk_head_too_large()
             elif waiting and self._lk_timer is None:
                 self._lk_arm()  # the first bytes of a request: its headers are on the clock
+
+    def _lk_head_may_follow(self, waiting: bool) -> bool:
+        """Whether bytes arriving now may be a request's head. Once the request being
+        answered has all its body, what follows is the next request's head: bounded
+        too, though its answer must wait for the one before (on h11, which parses no
+        head before the answer, the rest of a body answered early counts too)."""
+        return waiting or not self.cycle.more_body
 
     def on_response_complete(self) -> None:
         before = self.cycle
@@ -217,6 +222,7 @@ class _IgnoredUpgrade:
     parser: Any
     cycle: Any
     url: bytes
+    _lk_in_body: bool  # _BoundedPipeline's
     headers: list[tuple[bytes, bytes]]
     scope: Any
     logger: Any
@@ -264,6 +270,7 @@ class _IgnoredUpgrade:
         head.append(b"\r\n")
         # The parser told the request its body was over: it was not.
         self.cycle.more_body = True
+        self._lk_in_body = True
         self.cycle.message_event.clear()
         self.parser = httptools.HttpRequestParser(_AfterReplayedHead(self))
         # As uvicorn's own parser: a request after one that asks to close the
@@ -286,12 +293,14 @@ class _BoundedPipeline:
     and then the connection is ended without a reset (``_lk_linger``).
 
     A request that asks to close the connection ends it the same way, after its
-    answer, and so does an answer sent before its request's body has all arrived (a
-    404, a 405, a 413, a 503 at a limit): the rest of that body, which the app will
-    not read, cannot be told from a next request's head (uvicorn's parser stops
-    framing a request once it is answered), so the connection takes no more
-    requests; what the client still sends is read and dropped. And it remembers
-    the request that runs: when the connection is lost,
+    answer, and so does an answer that closes it while bytes the client sent may be
+    unread (the rest of a body refused with a 413, requests waiting behind), unless
+    the server is stopping. An answer sent before its request's body has all arrived
+    (a 404 or 405 to a POST with a large body, a 503 at a limit) leaves the rest of
+    that body to the parser, which reads and drops it: those bytes are not a next
+    request's head (``_lk_head_may_follow``), and they must all have arrived within
+    the request timeout of the answer, or the connection is ended in the same way.
+    And it remembers the request that runs: when the connection is lost,
     uvicorn tells only the request parsed last, so one still running behind waiting
     ones wrote its answer to the closed connection (a traceback in the log per such
     connection).
@@ -315,6 +324,12 @@ class _BoundedPipeline:
     _lk_closing = False
     #: Every request's transport on this connection (set in ``connection_made``).
     _lk_request_transport: Any = None
+    #: The parser is inside a request's body, answered or not: those bytes are no head.
+    _lk_in_body = False
+    #: Set while the rest of the body of a request answered early is on its way.
+    _lk_body_timer: asyncio.TimerHandle | None = None
+    #: The server is stopping: a connection its answer ends is closed at once.
+    _lk_stopping = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
@@ -329,6 +344,7 @@ class _BoundedPipeline:
         super()._start_asgi_task(cycle, app)  # type: ignore[misc]
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lk_body_arrived()
         running = self._lk_running
         if running is not None and not running.response_complete:
             running.disconnected = True  # its answer is not written to a closed connection
@@ -349,27 +365,54 @@ class _BoundedPipeline:
                 # It asks to close the connection (HTTP/1.0, Connection: close): uvicorn
                 # closes once it is answered, maybe with later requests unread.
                 self._lk_closing = True
+        self._lk_in_body = True  # until on_message_complete, at once when there is none
+
+    def on_message_complete(self) -> None:
+        self._lk_body_arrived()
+        super().on_message_complete()  # type: ignore[misc]
+
+    def _lk_head_may_follow(self, waiting: bool) -> bool:
+        return not self._lk_in_body
+
+    def _lk_body_arrived(self) -> None:
+        self._lk_in_body = False
+        if self._lk_body_timer is not None:
+            self._lk_body_timer.cancel()
+            self._lk_body_timer = None
+
+    def _lk_body_late(self) -> None:
+        self._lk_body_timer = None
+        self._lk_linger()
+
+    def shutdown(self) -> None:
+        self._lk_stopping = True
+        super().shutdown()  # type: ignore[misc]
 
     def on_response_complete(self) -> None:
         if self._lk_lingering:  # the connection is ending: nothing more runs
             return
-        if self._lk_body_coming() or (self._lk_overflowed and not self.pipeline):
+        if self._lk_overflowed and not self.pipeline:
             self._lk_linger()
             return
+        if self._lk_body_timer is None and self._lk_body_coming():
+            # Answered before its body had all arrived: the parser reads and drops the
+            # rest, which must come within the request timeout.
+            self._lk_body_timer = self.loop.call_later(self.request_timeout, self._lk_body_late)
         super().on_response_complete()  # type: ignore[misc]
         if (self.pipeline or self._lk_overflowed) and not self.transport.is_closing():
             self.flow.pause_reading()  # uvicorn resumed: not while requests still wait
 
     def _lk_body_coming(self) -> bool:
-        """The request being answered has not received all its body."""
+        """The request just answered has not received all its body."""
         running = self._lk_running
         return running is not None and bool(running.more_body)
 
     def _lk_close(self) -> None:
         """A request's transport is closed (its answer ends the connection, or the app
         failed): without a reset when the client's bytes may be left unread (requests
-        after one that asked to close, the rest of a body); otherwise at once."""
-        if self._lk_closing or self._lk_body_coming():
+        after one that asked to close, the rest of a body, requests waiting), unless
+        the server is stopping (a linger would hold the stop up); otherwise at once."""
+        if not self._lk_stopping and (self._lk_closing or self._lk_in_body or self.pipeline):
             self._lk_linger()
         else:
             self.transport.close()
