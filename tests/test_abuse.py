@@ -1238,6 +1238,25 @@ def test_the_rest_of_a_body_answered_early_must_come_within_the_request_timeout(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("after", [b"", b"GET /healthz HTTP/1.1\r\nHo"], ids=["idle", "head"])
+def test_after_the_rest_of_a_body_answered_early_the_next_head_is_on_the_clock(
+    server: Server, after: bytes
+) -> None:
+    """Once the rest of a body answered early is in, the connection awaits its next
+    request as a new connection does: its head must be complete within the request
+    timeout (1 s here), else a 408 and the connection is closed. (Nothing bounded it:
+    the body had taken uvicorn's keep-alive timer with it, and a client could hold the
+    connection, and a slot under the connection limit, for ever.)"""
+    sock = connect(server)
+    sock.sendall(b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: 2000\r\n\r\n{")
+    assert read_answers(sock, 1) == [404]
+    started = time.monotonic()
+    sock.sendall(b"a" * 1999 + after)
+    data = read_until_closed(sock)
+    assert responses_in(data) == [408] and time.monotonic() - started < 3 * TIMEOUT
+
+
+@pytest.mark.slow
 def test_a_413_while_the_body_is_still_coming_ends_without_a_reset(server: Server) -> None:
     """A body far over the limit, still being sent when the 413 goes out: the client gets
     the 413 and then an end of stream. (The server closed with the body unread, which

@@ -328,6 +328,7 @@ class _BoundedPipeline:
     _lk_in_body = False
     #: Set while the rest of the body of a request answered early is on its way.
     _lk_body_timer: asyncio.TimerHandle | None = None
+    _lk_timer: asyncio.TimerHandle | None  # _SlowClientGuard's header timer
     #: The server is stopping: a connection its answer ends is closed at once.
     _lk_stopping = False
 
@@ -368,8 +369,13 @@ class _BoundedPipeline:
         self._lk_in_body = True  # until on_message_complete, at once when there is none
 
     def on_message_complete(self) -> None:
+        answered = self._lk_body_timer is not None  # the rest of a body answered early
         self._lk_body_arrived()
         super().on_message_complete()  # type: ignore[misc]
+        if answered and self._lk_timer is None and not self.transport.is_closing():
+            # The connection awaits its next request, whose head is on the clock from
+            # now, as on a new connection: uvicorn's keep-alive timer went with the body.
+            self._lk_arm()  # type: ignore[attr-defined]
 
     def _lk_head_may_follow(self, waiting: bool) -> bool:
         return not self._lk_in_body
