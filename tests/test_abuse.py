@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import ipaddress
 import json
 import random
+import select
 import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -484,6 +487,31 @@ def test_the_header_deadline_is_the_request_timeout_from_the_first_byte() -> Non
     assert head.startswith(b"HTTP/1.1 408 ") and transport.closed and counted == [""]
     assert b"cache-control: no-store" in head and b"x-content-type-options: nosniff" in head
     assert json.loads(body)["status"] == "timeout"
+
+
+def test_a_closed_connection_is_freed_without_the_cyclic_collector() -> None:
+    """Once its connection is lost, the guarded protocol is freed by reference counting
+    alone, as uvicorn's own is: the transport its requests write to was bound to it, a
+    cycle that kept every closed connection, with its last request, until the cyclic
+    collector ran, which ``serve`` makes rare."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.server import ServerState
+
+    protocol_class = guard_protocol(HttpToolsProtocol, 5.0)
+    config = uvicorn.Config(create_app(LeaseService(MemoryStore())), log_config=None)
+    loop, transport = RecordingLoop(), RecordingTransport()
+    protocol: Any = protocol_class(config, ServerState(), {}, loop)  # type: ignore[call-arg]
+    protocol.connection_made(transport)
+    protocol.data_received(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+    protocol.connection_lost(None)
+    loop.timers.clear()  # (a real loop lets go of a cancelled timer)
+    freed = weakref.ref(protocol)
+    gc.disable()
+    try:
+        del protocol
+        assert freed() is None
+    finally:
+        gc.enable()
 
 
 @pytest.mark.slow
@@ -1254,6 +1282,54 @@ def test_after_the_rest_of_a_body_answered_early_the_next_head_is_on_the_clock(
     sock.sendall(b"a" * 1999 + after)
     data = read_until_closed(sock)
     assert responses_in(data) == [408] and time.monotonic() - started < 3 * TIMEOUT
+
+
+def flood_trailers(sock: socket.socket, limit: int = 32 << 20) -> tuple[int, bytes]:
+    """Send trailer fields of 8 KB on ``sock`` until the server answers or ends the
+    connection, or ``limit`` bytes are sent: (bytes sent, what came back)."""
+    line = b"X-Pad: " + b"a" * 8000 + b"\r\n"
+    sock.setblocking(False)
+    sent, started = 0, time.monotonic()
+    while sent < limit and time.monotonic() - started < 10 * TIMEOUT:
+        readable, writable, _ = select.select([sock], [sock], [], 1.0)
+        if readable:
+            try:
+                return sent, sock.recv(65536)
+            except ConnectionResetError:
+                return sent, b""
+        if writable:
+            with contextlib.suppress(BlockingIOError):
+                sent += sock.send(line)
+    return sent, b"(still open)"
+
+
+@pytest.mark.slow
+def test_trailers_after_a_body_answered_early_are_bounded(server: Server) -> None:
+    """A chunked body's trailer section counts against the 64 KiB a head may have:
+    after an early answer (which does not wait for them) the connection ends once
+    trailers pass it. (They went unbounded until the rest of the body's timeout:
+    hundreds of MB a second, all kept among the request's headers.)"""
+    sock = connect(server)
+    sock.sendall(b"POST /nowhere HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                 b"1\r\n{\r\n0\r\n")  # fmt: skip
+    assert read_answers(sock, 1) == [404]
+    sent, back = flood_trailers(sock)
+    sock.close()
+    assert back == b"" and sent < 32 << 20  # an end of stream, long before the limit
+
+
+@pytest.mark.slow
+def test_trailers_of_a_body_being_read_are_bounded(server: Server) -> None:
+    """Trailers that do not end, on an acquire whose body is being read: past 64 KiB the
+    server reads no more of them, and the request gets its 408 when its body is not in
+    within the request timeout. (The server read them all, into the request's headers,
+    until that timeout.)"""
+    sock = connect(server)
+    sock.sendall(b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\n"
+                 b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n")  # fmt: skip
+    sent, back = flood_trailers(sock)
+    sock.close()
+    assert back.startswith(b"HTTP/1.1 408 ") and sent < 32 << 20
 
 
 @pytest.mark.slow

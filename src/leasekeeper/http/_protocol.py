@@ -331,14 +331,51 @@ class _BoundedPipeline:
     _lk_timer: asyncio.TimerHandle | None  # _SlowClientGuard's header timer
     #: The server is stopping: a connection its answer ends is closed at once.
     _lk_stopping = False
+    #: A chunk's size line is parsed and none of its data yet: at the last chunk (size
+    #: 0), what follows is the trailer section, until that chunk completes.
+    _lk_chunk_bare = False
+    #: Bytes since a chunked body's last data, while in its trailer section: bounded as
+    #: a head is (httptools gathers each field whole, and uvicorn keeps trailers among
+    #: the request's headers), where the body's bytes are not.
+    _lk_trailer_bytes = 0
+    #: Body bytes the parser handed over in the read being parsed.
+    _lk_body_seen = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         self._lk_request_transport = _RequestTransport(self)
 
     def data_received(self, data: bytes) -> None:
-        if not self._lk_lingering:
-            super().data_received(data)  # type: ignore[misc]
+        if self._lk_lingering:
+            return
+        self._lk_body_seen = 0
+        super().data_received(data)  # type: ignore[misc]
+        if self._lk_chunk_bare and not self.transport.is_closing():
+            self._lk_trailer_bytes += len(data) - self._lk_body_seen
+            if self._lk_trailer_bytes > MAX_HEAD_BYTES:
+                self._lk_trailers_too_large()
+
+    def on_body(self, body: bytes) -> None:
+        self._lk_chunk_bare = False
+        self._lk_trailer_bytes = 0
+        self._lk_body_seen += len(body)
+        super().on_body(body)  # type: ignore[misc]
+
+    def on_chunk_header(self) -> None:
+        self._lk_chunk_bare = True
+
+    def on_chunk_complete(self) -> None:
+        self._lk_chunk_bare = False
+        self._lk_trailer_bytes = 0
+
+    def _lk_trailers_too_large(self) -> None:
+        """Trailers past ``MAX_HEAD_BYTES``: nothing more is read. An answered request
+        (answered before its body had all arrived) ends the connection; a running one
+        gets its body's 408 at the request timeout, and then the connection ends."""
+        if self._lk_body_timer is not None:
+            self._lk_body_late()
+        else:
+            self.flow.pause_reading()
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
         self._lk_running = cycle
@@ -346,6 +383,11 @@ class _BoundedPipeline:
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lk_body_arrived()
+        if self._lk_request_transport is not None:
+            # Its close is bound to this protocol, which holds it: a cycle that would
+            # keep every closed connection (and its last request) for the cyclic
+            # garbage collector, which the server runs rarely.
+            self._lk_request_transport.close = self.transport.close
         running = self._lk_running
         if running is not None and not running.response_complete:
             running.disconnected = True  # its answer is not written to a closed connection
