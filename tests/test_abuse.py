@@ -1304,14 +1304,16 @@ def flood_trailers(sock: socket.socket, limit: int = 32 << 20) -> tuple[int, byt
 
 
 @pytest.mark.slow
-def test_trailers_after_a_body_answered_early_are_bounded(server: Server) -> None:
+@pytest.mark.parametrize("offer", [b"", H2C_OFFER], ids=["plain", "h2c-offer"])
+def test_trailers_after_a_body_answered_early_are_bounded(server: Server, offer: bytes) -> None:
     """A chunked body's trailer section counts against the 64 KiB a head may have:
     after an early answer (which does not wait for them) the connection ends once
-    trailers pass it. (They went unbounded until the rest of the body's timeout:
-    hundreds of MB a second, all kept among the request's headers.)"""
+    trailers pass it; on a request offering h2c too, whose body another parser reads.
+    (They went unbounded until the rest of the body's timeout: hundreds of MB a second,
+    all kept among the request's headers.)"""
     sock = connect(server)
-    sock.sendall(b"POST /nowhere HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                 b"1\r\n{\r\n0\r\n")  # fmt: skip
+    sock.sendall(b"POST /nowhere HTTP/1.1\r\nHost: x\r\n" + offer
+                 + b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n0\r\n")  # fmt: skip
     assert read_answers(sock, 1) == [404]
     sent, back = flood_trailers(sock)
     sock.close()
@@ -1319,14 +1321,15 @@ def test_trailers_after_a_body_answered_early_are_bounded(server: Server) -> Non
 
 
 @pytest.mark.slow
-def test_trailers_of_a_body_being_read_are_bounded(server: Server) -> None:
+@pytest.mark.parametrize("offer", [b"", H2C_OFFER], ids=["plain", "h2c-offer"])
+def test_trailers_of_a_body_being_read_are_bounded(server: Server, offer: bytes) -> None:
     """Trailers that do not end, on an acquire whose body is being read: past 64 KiB the
     server reads no more of them, and the request gets its 408 when its body is not in
     within the request timeout. (The server read them all, into the request's headers,
     until that timeout.)"""
     sock = connect(server)
-    sock.sendall(b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\n"
-                 b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n")  # fmt: skip
+    sock.sendall(b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\n" + offer
+                 + b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n")  # fmt: skip
     sent, back = flood_trailers(sock)
     sock.close()
     assert back.startswith(b"HTTP/1.1 408 ") and sent < 32 << 20

@@ -334,12 +334,13 @@ class _BoundedPipeline:
     #: A chunk's size line is parsed and none of its data yet: at the last chunk (size
     #: 0), what follows is the trailer section, until that chunk completes.
     _lk_chunk_bare = False
-    #: Bytes since a chunked body's last data, while in its trailer section: bounded as
-    #: a head is (httptools gathers each field whole, and uvicorn keeps trailers among
-    #: the request's headers), where the body's bytes are not.
+    #: Bytes of the reads that went wholly to a chunked body's trailer section: bounded
+    #: as a head is (httptools gathers each field whole, and uvicorn keeps trailers
+    #: among the request's headers), where the body's bytes are not. The read in which
+    #: the section begins is not counted, as the read that ends a head is not.
     _lk_trailer_bytes = 0
-    #: Body bytes the parser handed over in the read being parsed.
-    _lk_body_seen = 0
+    #: The parser handed over body bytes in the read being parsed.
+    _lk_body_seen = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
@@ -348,17 +349,19 @@ class _BoundedPipeline:
     def data_received(self, data: bytes) -> None:
         if self._lk_lingering:
             return
-        self._lk_body_seen = 0
+        after_size_line = self._lk_chunk_bare
+        self._lk_body_seen = False
         super().data_received(data)  # type: ignore[misc]
-        if self._lk_chunk_bare and not self.transport.is_closing():
-            self._lk_trailer_bytes += len(data) - self._lk_body_seen
-            if self._lk_trailer_bytes > MAX_HEAD_BYTES:
+        if after_size_line and self._lk_chunk_bare and not self._lk_body_seen:
+            # All of it after a chunk's size line and none of it data: the trailers.
+            self._lk_trailer_bytes += len(data)
+            if self._lk_trailer_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
                 self._lk_trailers_too_large()
 
     def on_body(self, body: bytes) -> None:
         self._lk_chunk_bare = False
         self._lk_trailer_bytes = 0
-        self._lk_body_seen += len(body)
+        self._lk_body_seen = True
         super().on_body(body)  # type: ignore[misc]
 
     def on_chunk_header(self) -> None:
@@ -531,6 +534,12 @@ class _AfterReplayedHead:
 
     def on_body(self, body: bytes) -> None:
         self._protocol.on_body(body)
+
+    def on_chunk_header(self) -> None:
+        self._protocol.on_chunk_header()
+
+    def on_chunk_complete(self) -> None:
+        self._protocol.on_chunk_complete()
 
     def on_message_complete(self) -> None:
         self._protocol.on_message_complete()
