@@ -376,6 +376,7 @@ class _BoundedPipeline:
         (answered before its body had all arrived) ends the connection; a running one
         gets its body's 408 at the request timeout, and then the connection ends."""
         if self._lk_body_timer is not None:
+            self._lk_body_timer.cancel()
             self._lk_body_late()
         else:
             self.flow.pause_reading()
