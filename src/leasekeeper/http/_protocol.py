@@ -19,7 +19,9 @@ once the connection's send buffer is full, it must drain within ``request_timeou
 or the connection is dropped (a client that never reads would otherwise hold its
 slot for ever). A head that has not ended within ``MAX_HEAD_BYTES`` gets a JSON
 ``431`` (status ``too_large``) and the connection is closed; one sent behind a request
-still being answered is read no further, and gets its 431 after that answer. Malformed
+still being answered is read no further, and gets its 431 after that answer. A chunked
+body's trailer section is bounded by the same ``MAX_HEAD_BYTES``, and the rest of a body
+that was answered before it all arrived by ``request_timeout``. Malformed
 HTTP gets a JSON ``400 invalid`` instead of uvicorn's plain text, so every answer is a
 JSON object.
 
