@@ -514,6 +514,40 @@ def test_a_closed_connection_is_freed_without_the_cyclic_collector() -> None:
         gc.enable()
 
 
+class EndingTransport(RecordingTransport):
+    """A transport that can end its side of the stream, as a TCP one can."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended = False
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        self.ended = True
+
+
+@pytest.mark.parametrize("waiting", [False, True], ids=["alone", "requests-waiting"])
+def test_a_close_with_requests_waiting_ends_the_stream_first(waiting: bool) -> None:
+    """An answer that closes its connection (a 413, say) while requests wait behind it:
+    the server ends its side and reads on, rather than closing with the client's later
+    bytes unread, which resets the connection and can lose that answer. With none
+    waiting (and no body coming), it closes at once."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.server import ServerState
+
+    protocol_class = guard_protocol(HttpToolsProtocol, 5.0)
+    config = uvicorn.Config(create_app(LeaseService(MemoryStore())), log_config=None)
+    loop, transport = RecordingLoop(), EndingTransport()
+    protocol: Any = protocol_class(config, ServerState(), {}, loop)  # type: ignore[call-arg]
+    protocol.connection_made(transport)
+    if waiting:
+        protocol.pipeline.append(("a request", "its app"))
+    protocol._lk_request_transport.close()  # as uvicorn closes a request's transport
+    assert (transport.ended, transport.closed) == ((True, False) if waiting else (False, True))
+
+
 @pytest.mark.slow
 def test_a_connection_that_sends_nothing_is_closed(server: Server) -> None:
     """Connect and stay silent: 408 timeout (JSON) after the request timeout, then closed;
