@@ -955,6 +955,14 @@ def test_a_stop_while_the_store_is_being_opened_is_not_kept_waiting(
     assert "Traceback" not in log.read_text()
 
 
+def wait_until_one_request_is_in_flight(url: str) -> None:
+    """Until the server at ``url`` is running one request (its /metrics says so)."""
+    deadline = time.monotonic() + 10
+    while "leasekeeper_requests_in_flight 2.0" not in httpx.get(url + "/metrics").text:
+        assert time.monotonic() < deadline  # (the /metrics request counts itself)
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize(
     ("signum", "status"), [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 0)]
 )
@@ -978,12 +986,7 @@ def test_a_stop_signal_answers_the_request_in_flight_then_exits(
                 + f"Content-Length: {len(body)}\r\n\r\n".encode()
                 + body[:10]
             )
-            deadline = time.monotonic() + 10
-            while (
-                "leasekeeper_requests_in_flight 2.0" not in httpx.get(server.url + "/metrics").text
-            ):
-                assert time.monotonic() < deadline  # (the /metrics request counts itself)
-                time.sleep(0.02)
+            wait_until_one_request_is_in_flight(server.url)
             server.process.send_signal(signum)
             deadline = time.monotonic() + 10
             while "Shutting down" not in log.read_text():
@@ -1021,12 +1024,7 @@ def test_a_stop_is_not_held_up_by_a_body_that_stopped_coming(tmp_path: Path) -> 
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.sendall(b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\n"
                          b"Content-Length: 1000\r\n\r\n{\"na")  # fmt: skip
-            deadline = time.monotonic() + 10
-            while (
-                "leasekeeper_requests_in_flight 2.0" not in httpx.get(server.url + "/metrics").text
-            ):
-                assert time.monotonic() < deadline  # (the /metrics request counts itself)
-                time.sleep(0.02)
+            wait_until_one_request_is_in_flight(server.url)
             stopped = time.monotonic()
             server.process.send_signal(signal.SIGTERM)
             assert server.process.wait(10) == -signal.SIGTERM
