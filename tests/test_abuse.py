@@ -548,6 +548,44 @@ def test_a_close_with_requests_waiting_ends_the_stream_first(waiting: bool) -> N
     assert (transport.ended, transport.closed) == ((True, False) if waiting else (False, True))
 
 
+class _UnrunTask:
+    """What ``create_task`` returns for an app that never runs."""
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None: ...
+
+
+def test_a_read_that_begins_the_trailers_is_not_counted_as_trailers() -> None:
+    """One read holding a head of nearly 64 KiB, a chunked body and the start of its
+    trailers, then one of trailers only: reading goes on. Only reads that went wholly
+    to the trailer section count (the whole first read's non-body bytes counted, and a
+    request with a large head and a few trailers had its reading stopped)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    from uvicorn.server import ServerState
+
+    class TaskLoop(RecordingLoop):
+        def create_task(self, coroutine: Any, **_: Any) -> Any:
+            coroutine.close()  # the app never runs: the request stays unanswered
+            return _UnrunTask()
+
+    class CountingTransport(RecordingTransport):
+        paused = 0
+
+        def pause_reading(self) -> None:
+            self.paused += 1
+
+    protocol_class = guard_protocol(HttpToolsProtocol, 5.0)
+    config = uvicorn.Config(create_app(LeaseService(MemoryStore())), log_config=None)
+    config.load()
+    loop, transport = TaskLoop(), CountingTransport()
+    protocol: Any = protocol_class(config, ServerState(), {}, loop)  # type: ignore[call-arg]
+    protocol.connection_made(transport)
+    head = b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+    head += b"X-Pad: " + b"a" * (65_500 - len(head)) + b"\r\n\r\n"
+    protocol.data_received(head + b"2\r\n{}\r\n0\r\nX-Trailer: 1\r\n")
+    protocol.data_received(b"X-Trailer: 2\r\n")
+    assert transport.paused == 0 and not transport.closed, transport.written[:300]
+
+
 @pytest.mark.slow
 def test_a_connection_that_sends_nothing_is_closed(server: Server) -> None:
     """Connect and stay silent: 408 timeout (JSON) after the request timeout, then closed;
