@@ -38,6 +38,7 @@ from leasekeeper._core.model import (
     Renew,
     Renewed,
 )
+from leasekeeper.store import _syncer
 from leasekeeper.store._sqlite import (
     _SCHEMA,
     _SELECT_CHUNK,
@@ -519,23 +520,29 @@ def test_the_writer_binds_no_bytes_and_no_none(tmp_path: Path) -> None:
 
 
 class GatedFsync:
-    """Stands in for the WAL's fsync (``SqliteStore._sync_wal``): each call counts, sets
-    ``entered``, waits until the test sets ``release``, then does ``then`` (the real
-    fsync unless told otherwise) and counts as ``done``."""
+    """Stands in for the WAL's fsync (``_syncer.sync_data``) of a store made with
+    ``fsync_process=False``, whose syncer runs on a thread of the test's process. Once
+    ``armed`` (after the store's open, which has an fsync of its own), each call counts,
+    sets ``entered``, waits until the test sets ``release``, then does ``then`` (the
+    real fsync unless told otherwise) and counts as ``done``."""
 
     def __init__(
-        self, monkeypatch: pytest.MonkeyPatch, then: Callable[[SqliteStore], None] | None = None
+        self, monkeypatch: pytest.MonkeyPatch, then: Callable[[int], None] | None = None
     ) -> None:
-        self.entered, self.release = threading.Event(), threading.Event()
+        self.entered, self.release, self.armed = (threading.Event() for _ in range(3))
         self.calls = self.done = 0
-        self._then = then or SqliteStore._sync_wal
-        monkeypatch.setattr(SqliteStore, "_sync_wal", lambda store: self.sync(store))
+        self._real = _syncer.sync_data
+        self._then = then or self._real
+        monkeypatch.setattr(_syncer, "sync_data", self.sync)
 
-    def sync(self, store: SqliteStore) -> None:
+    def sync(self, fd: int) -> None:
+        if not self.armed.is_set():
+            self._real(fd)
+            return
         self.calls += 1
         self.entered.set()
         assert self.release.wait(10), "the test never released the fsync"
-        self._then(store)
+        self._then(fd)
         self.done += 1
 
 
@@ -543,7 +550,7 @@ def test_no_answer_before_the_fsync_of_the_wal_and_the_next_batch_does_not_wait(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A batch is committed on the loop without an fsync (``synchronous=NORMAL``) and
-    answered only after the thread's fsync of the WAL; meanwhile the loop decides and
+    answered only after the syncer's fsync of the WAL; meanwhile the loop decides and
     commits the next batch, on what the first one wrote, and answers it (a 409
     included) only after an fsync that began after its COMMIT."""
     path = tmp_path / "d.db"
@@ -555,8 +562,9 @@ def test_no_answer_before_the_fsync_of_the_wal_and_the_next_batch_does_not_wait(
             return int(count)
 
     async def main() -> None:
-        store = SqliteStore(path, FakeClock())
+        store = SqliteStore(path, FakeClock(), fsync_process=False)
         await store.open()
+        gate.armed.set()
         key = new_id()
         syncs_at_answer: dict[str, int] = {}
 
@@ -566,7 +574,7 @@ def test_no_answer_before_the_fsync_of_the_wal_and_the_next_batch_does_not_wait(
             return future
 
         first = queue("first", Acquire(key, None, TTL, new_id(), LIFECYCLE))
-        assert await asyncio.to_thread(gate.entered.wait, 10)  # the thread is in its fsync
+        assert await asyncio.to_thread(gate.entered.wait, 10)  # the syncer is in its fsync
         assert committed() == 1 and not first.done()
         held = queue("held", Acquire(key, None, TTL, new_id(), LIFECYCLE))
         other = queue("other", Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
@@ -587,9 +595,9 @@ def test_no_answer_before_the_fsync_of_the_wal_and_the_next_batch_does_not_wait(
 
 
 def test_the_fsync_is_of_the_wal_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """What the thread fsyncs before answering is the WAL, where a COMMIT writes."""
-    from leasekeeper.store import _sqlite
-
+    """What the syncer fsyncs before answering is the WAL, where a COMMIT writes: once
+    as the store opens (a store that cannot fsync does not open), then for each batch,
+    and for each task the thread ran whole."""
     synced: list[str] = []
     fdatasync = os.fdatasync
 
@@ -597,17 +605,18 @@ def test_the_fsync_is_of_the_wal_file(tmp_path: Path, monkeypatch: pytest.Monkey
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
         fdatasync(fd)
 
-    monkeypatch.setattr(_sqlite.os, "fdatasync", recording)
+    monkeypatch.setattr(_syncer.os, "fdatasync", recording)
+    wal = str((tmp_path / "w.db").resolve()) + "-wal"
 
     async def main() -> None:
-        store = SqliteStore(tmp_path / "w.db", FakeClock())
+        store = SqliteStore(tmp_path / "w.db", FakeClock(), fsync_process=False)
         await store.open()
-        assert synced == []
+        assert synced == [wal]
         decision = await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
         assert isinstance(decision.outcome, Granted)
-        assert synced == [str((tmp_path / "w.db").resolve()) + "-wal"]
+        assert synced == [wal, wal]
         await store.purge(100)  # a task runs whole on the thread, and is synced too
-        assert len(synced) == 2
+        assert synced == [wal, wal, wal]
         await store.close()
 
     asyncio.run(main())
@@ -618,8 +627,6 @@ def test_where_python_has_no_fdatasync_the_wal_is_fsynced(
 ) -> None:
     """Python has no ``os.fdatasync`` on macOS (nor on Windows): there the WAL is
     fsynced instead, and requests are answered, not refused as if the disk had failed."""
-    from leasekeeper.store import _sqlite
-
     synced: list[str] = []
     fsync = os.fsync
 
@@ -627,15 +634,15 @@ def test_where_python_has_no_fdatasync_the_wal_is_fsynced(
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
         fsync(fd)
 
-    monkeypatch.delattr(_sqlite.os, "fdatasync")
-    monkeypatch.setattr(_sqlite.os, "fsync", recording)
+    monkeypatch.delattr(_syncer.os, "fdatasync")
+    monkeypatch.setattr(_syncer.os, "fsync", recording)
 
     async def main() -> None:
-        store = SqliteStore(tmp_path / "w.db", FakeClock())
+        store = SqliteStore(tmp_path / "w.db", FakeClock(), fsync_process=False)
         await store.open()
         decision = await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
         assert isinstance(decision.outcome, Granted)
-        assert synced == [str((tmp_path / "w.db").resolve()) + "-wal"]
+        assert synced == [str((tmp_path / "w.db").resolve()) + "-wal"] * 2  # open, acquire
         await store.close()
 
     asyncio.run(main())
@@ -644,10 +651,10 @@ def test_where_python_has_no_fdatasync_the_wal_is_fsynced(
 def test_the_fsync_that_answers_a_batch_began_after_its_commit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The thread is given a batch to make durable only once its COMMIT has written the
+    """The syncer is asked to make a batch durable only once its COMMIT has written the
     WAL: an fsync that ran while the COMMIT was still being written would not cover
     it, and the batch would be answered before it is on the disk. A slow COMMIT (here,
-    0.2 s) gives such an fsync every chance to run first."""
+    0.2 s) gives such an fsync (on a thread, here) every chance to run first."""
     events: list[str] = []
     slow = threading.Event()
 
@@ -660,13 +667,13 @@ def test_the_fsync_that_answers_a_batch_began_after_its_commit(
             events.append("commit")
             return cursor
 
-    sync_wal = SqliteStore._sync_wal
+    sync_data = _syncer.sync_data
 
-    def recording(store: SqliteStore) -> None:
+    def recording(fd: int) -> None:
         events.append("fsync")
-        sync_wal(store)
+        sync_data(fd)
 
-    monkeypatch.setattr(SqliteStore, "_sync_wal", recording)
+    monkeypatch.setattr(_syncer, "sync_data", recording)
     connect = sqlite3.connect
 
     def writer_connect(*args: Any, **kwargs: Any) -> sqlite3.Connection:
@@ -675,7 +682,7 @@ def test_the_fsync_that_answers_a_batch_began_after_its_commit(
         return connect(*args, **kwargs)
 
     async def main() -> None:
-        store = SqliteStore(tmp_path / "s.db", FakeClock())
+        store = SqliteStore(tmp_path / "s.db", FakeClock(), fsync_process=False)
         with mock.patch.object(sqlite3, "connect", writer_connect):
             await store.open()
         slow.set()
@@ -696,14 +703,15 @@ def test_a_failed_fsync_refuses_its_batches_and_everything_after(
     so a later fsync proves nothing: the batches it covered, the batch committed while
     it ran, and every later call get 503, and no fsync is tried again."""
 
-    def failing(store: SqliteStore) -> None:
+    def failing(fd: int) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
     gate = GatedFsync(monkeypatch, then=failing)
 
     async def main() -> None:
-        store = SqliteStore(tmp_path / "e.db", FakeClock())
+        store = SqliteStore(tmp_path / "e.db", FakeClock(), fsync_process=False)
         await store.open()
+        gate.armed.set()
         first = queue_acquire(store)
         assert await asyncio.to_thread(gate.entered.wait, 10)
         second = queue_acquire(store)  # committed on the loop while the fsync runs
@@ -829,12 +837,13 @@ def test_closing_waits_for_the_fsync_of_every_committed_batch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A close while batches are committed but not yet durable answers them once their
-    fsync is done, not before, and then stops the thread."""
+    fsync is done, not before, and then stops the syncer and the thread."""
     gate = GatedFsync(monkeypatch)
 
     async def main() -> None:
-        store = SqliteStore(tmp_path / "z.db", FakeClock())
+        store = SqliteStore(tmp_path / "z.db", FakeClock(), fsync_process=False)
         await store.open()
+        gate.armed.set()
         queued = [queue_acquire(store) for _ in range(10)]
         assert await asyncio.to_thread(gate.entered.wait, 10)
         closing = asyncio.ensure_future(store.close())
@@ -1065,3 +1074,185 @@ def test_a_store_whose_file_cannot_be_looked_at_leaves_no_descriptor_open(
         os.readlink(f"/proc/self/fd/{fd}") for fd in opened if os.path.exists(f"/proc/self/fd/{fd}")
     ]
     assert not [name for name in leaked if name.startswith(database)], leaked
+
+
+def _syncer_process(store: SqliteStore) -> int:
+    assert store._syncer is not None and store._syncer.pid is not None
+    return store._syncer.pid
+
+
+def _state(pid: int) -> str | None:
+    """The process's state letter (Z: exited, not yet reaped), or None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+def test_the_wal_is_fsynced_by_a_process_of_its_own_that_ends_with_the_store(
+    tmp_path: Path,
+) -> None:
+    """By default the fsync runs in a child process (``_syncer``), which holds the very
+    WAL the store writes, answers the store's batches, and exits once the store closes."""
+    path = tmp_path / "p.db"
+
+    async def main() -> int:
+        store = SqliteStore(path, FakeClock())
+        await store.open()
+        pid = _syncer_process(store)
+        assert "_syncer.py" in await asyncio.to_thread(Path(f"/proc/{pid}/cmdline").read_text)
+        held = os.readlink(f"/proc/{pid}/fd/{store._wal_fd}")
+        assert held == str(path.resolve()) + "-wal"
+        decisions = await asyncio.gather(*(queue_acquire(store) for _ in range(50)))
+        assert all(isinstance(d.outcome, Granted) for d in decisions)
+        await store.close()
+        return pid
+
+    pid = asyncio.run(main())
+    assert _state(pid) is None  # exited and reaped: no zombie left behind
+    assert SqliteStore(path).fencing_counter() == 50
+
+
+def test_the_fsync_process_ignores_the_signals_that_stop_a_server(tmp_path: Path) -> None:
+    """A Ctrl-C or a service manager's stop reaches every process of the group; the
+    server goes on answering its last requests, so its syncer must keep going until
+    the store closes."""
+    import signal
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "s.db", FakeClock())
+        await store.open()
+        pid = _syncer_process(store)
+        for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            os.kill(pid, number)
+        await asyncio.sleep(0.2)
+        decision = await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        assert isinstance(decision.outcome, Granted)
+        assert _state(pid) not in (None, "Z")
+        await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_store_whose_fsync_process_died_refuses_everything(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without its syncer nothing can be made durable: every request and the readiness
+    check get 503 until restarted, and one CRITICAL says why."""
+    import signal
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "k.db", FakeClock())
+        await store.open()
+        os.kill(_syncer_process(store), signal.SIGKILL)
+        with pytest.raises(ServiceUnavailable, match="durable"):
+            await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        with pytest.raises(ServiceUnavailable):
+            await store.ping()
+        with pytest.raises(ServiceUnavailable, match="durable"):
+            await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        await store.close()
+
+    with caplog.at_level(logging.CRITICAL, logger="leasekeeper.store.sqlite"):
+        asyncio.run(main())
+    critical = [r.getMessage() for r in caplog.records if r.levelname == "CRITICAL"]
+    assert len(critical) == 1, critical
+    # With its exit status (-9) when it was reaped by then: it may not be, yet.
+    assert "the SQLite store's fsync process ended" in critical[0]
+
+
+def test_where_no_process_can_be_started_the_wal_is_fsynced_on_a_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store is not refused for want of a process (a limit on processes, say): its
+    fsync runs on a thread of the server instead, slower under load, and a warning
+    says so."""
+    from leasekeeper.store import _sqlite
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(_sqlite.subprocess, "Popen", refused)
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "t.db", FakeClock())
+        await store.open()
+        assert store._syncer is not None and store._syncer.pid is None
+        names = [thread.name for thread in threading.enumerate()]
+        assert "leasekeeper-sqlite-fsync" in names
+        decision = await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        assert isinstance(decision.outcome, Granted)
+        await store.close()
+        names = [thread.name for thread in threading.enumerate()]
+        assert "leasekeeper-sqlite-fsync" not in names
+
+    with caplog.at_level(logging.WARNING, logger="leasekeeper.store.sqlite"):
+        asyncio.run(main())
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "the SQLite WAL is fsynced on a thread: no process started "
+        "([Errno 11] Resource temporarily unavailable)"
+    ]
+
+
+def test_a_store_whose_wal_cannot_be_fsynced_does_not_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The syncer fsyncs the WAL once as the store opens: a disk that refuses it
+    refuses the start (503), rather than every request after a start that looked well;
+    the store's thread and descriptors are not left behind."""
+
+    def failing(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(_syncer, "sync_data", failing)
+    before = set(os.listdir("/proc/self/fd"))
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "f.db", FakeClock(), fsync_process=False)
+        with pytest.raises(ServiceUnavailable, match=r"Cannot fsync .*Input/output error"):
+            await store.open()
+
+    asyncio.run(main())
+    names = [thread.name for thread in threading.enumerate()]
+    assert not [name for name in names if name.startswith("leasekeeper-sqlite")], names
+    assert set(os.listdir("/proc/self/fd")) <= before
+
+
+def test_batches_beyond_what_the_pipe_holds_are_all_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store asks for an fsync with one byte a batch; while an fsync waits, more
+    batches than the pipe holds (64 KiB) are kept count of and sent as room comes, and
+    each is answered once, in order."""
+    from leasekeeper.store import _sqlite
+
+    gate = GatedFsync(monkeypatch)
+    answered: list[int] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        wal = os.open(tmp_path / "wal", os.O_RDWR | os.O_CREAT)
+        files = [(str(tmp_path / "wal"), (os.fstat(wal).st_dev, os.fstat(wal).st_ino))]
+        done = loop.create_future()
+
+        def durable(count: int) -> None:
+            answered.append(count)
+            if sum(answered) == 70_000:
+                done.set_result(None)
+
+        def failed(error: Exception, kind: str) -> None:
+            done.set_exception(AssertionError(f"{kind}: {error}"))
+
+        syncer = await _sqlite._Syncer.start(loop, wal, files, durable, failed, process=False)
+        gate.armed.set()
+        for _ in range(70_000):
+            syncer.request()
+        assert syncer._owed > 0  # the pipe is full: the rest are owed
+        gate.release.set()
+        await asyncio.wait_for(done, 30)
+        await syncer.close()
+        os.close(wal)
+
+    asyncio.run(main())
+    assert sum(answered) == 70_000

@@ -4,32 +4,37 @@ Requests queue on the event loop. When the connection is free, the loop takes th
 queued lease commands (up to ``max_batch``), opens a ``BEGIN IMMEDIATE``
 transaction without waiting for the lock, reads their records with one statement,
 decides each in turn, writes them with one statement and COMMITs, which only hands
-the WAL's new pages to the operating system (``synchronous=NORMAL``). A thread then
-fsyncs the WAL, once for every batch committed since its last fsync, and only then
-are those batches answered::
+the WAL's new pages to the operating system (``synchronous=NORMAL``). The syncer, a
+small process of its own (``_syncer``), then fsyncs the WAL, once for every batch
+committed since its last fsync, and only then are those batches answered::
 
-    event loop:  req1 req2 req3 ─► decide 1, 2, 3, COMMIT ──► thread: fsync(WAL)
+    event loop:  req1 req2 req3 ─► decide 1, 2, 3, COMMIT ──► syncer: fsync(WAL)
                  req4 req5 ─► decide 4, 5, COMMIT ──────────►  (one fsync for both,
                  answer 1, 2, 3, 4, 5 ◄──────────────────────    when it came late)
 
 So a request is acknowledged only once its batch is on the disk, which is what
 ``synchronous=FULL`` gives, but the fsync no longer holds the connection: the loop
 decides and commits the next batch while the last one is being made durable,
-instead of waiting for the thread (which must first take the GIL from the busy
-loop) to COMMIT and hand the connection back. Each batch is decided on what the
-batches before it committed; since WAL frames are appended in commit order, one
-fsync covers every batch committed before it, and a crash loses only batches that
-nobody was told about. If an fsync fails, the batches it covered and every request
-after it are refused: the store answers 503 until it is restarted, because after a
-failed fsync the kernel may have dropped the pages it could not write, and a later
-fsync that succeeds would prove nothing.
+instead of waiting for a thread (which must first take the GIL from the busy loop)
+to COMMIT and hand the connection back. The syncer is a process rather than a thread
+because a thread takes the GIL back after each of its system calls, and the busy
+loop stalls each time (``_syncer`` says how much that cost); where no process can be
+started it is a thread all the same. Each batch is decided on what the batches
+before it committed; since WAL frames are appended in commit order, one fsync covers
+every batch committed before it, and a crash loses only batches that nobody was told
+about. If an fsync fails, the batches it covered and every request after it are
+refused: the store answers 503 until it is restarted, because after a failed fsync
+the kernel may have dropped the pages it could not write, and a later fsync that
+succeeds would prove nothing. So it is when the store's files were deleted or
+replaced (the syncer looks before each fsync) or when the syncer is gone.
 
 Everything that can wait (the fsync, a write lock held by another process, a
-cleanup step, a checkpoint) happens on threads: tasks (cleanup steps, pings) and
-any batch that finds the write lock taken run whole on the thread, which holds the
-connection meanwhile. WAL checkpoints run on a third thread and connection
-(``_Checkpointer``). The fencing counter lives in its own row and is read inside
-each transaction, so it never goes back, not even when every record is deleted.
+cleanup step, a checkpoint) happens off the loop: tasks (cleanup steps, pings) and
+any batch that finds the write lock taken run whole on the writer's thread, which
+holds the connection meanwhile, and are fsynced by the syncer like a batch. WAL
+checkpoints run on another thread and connection (``_Checkpointer``). The fencing
+counter lives in its own row and is read inside each transaction, so it never goes
+back, not even when every record is deleted.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ import logging
 import os
 import queue
 import sqlite3
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +58,7 @@ from typing import Any
 from leasekeeper._clock import Clock, SystemClock
 from leasekeeper._core.model import Command, Decision, LeaseRecord
 from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
+from leasekeeper.store import _syncer
 from leasekeeper.store._base import (
     Deadlines,
     Purged,
@@ -202,15 +210,14 @@ _REFUSING = frozenset(
 )
 
 
-def _sync_data(fd: int) -> None:
-    """Make ``fd``'s writes durable as SQLite does: ``fdatasync``, or ``fsync`` where
-    there is none (Python has no ``os.fdatasync`` on macOS or Windows; SQLite falls
-    back to ``fsync`` where the system lacks ``fdatasync`` too)."""
-    data_sync = getattr(os, "fdatasync", None)
-    if data_sync is None:
-        os.fsync(fd)
-    else:
-        data_sync(fd)
+def _log_moved(what: str) -> None:
+    log.critical(
+        "the SQLite store's files were deleted or replaced while it was open (%s): "
+        "the lease store refuses every request until leasekeeper is restarted. Put the "
+        "file back, or before restarting raise the fencing counter above every token "
+        "handed out (leasekeeper fence --raise-to): a new file starts it again",
+        what,
+    )
 
 
 def _primary_code(exc: sqlite3.Error) -> int:
@@ -238,19 +245,23 @@ class _Op:
     future: asyncio.Future[Any]
 
 
-#: What the thread hands back to the event loop: each op with its outcome.
+#: A batch's ops, each with its outcome: answered once the WAL is fsynced.
 _Results = list[tuple[_Op, Any]]
-#: Work for the thread, one of three kinds (None alone stops the thread):
-#: ``_DURABLE`` with the results of a batch the loop committed: fsync, then answer;
-#: ``_WHOLE`` with ops to run whole on the thread, holding the connection (a task, or
-#: commands that found the write lock taken); ``_CATCH_UP``: a checkpoint on the
-#: writer's connection (``_Checkpointer.catch_up``), which the thread holds meanwhile.
-_Job = tuple[str, list[_Op], _Results]
-_DURABLE, _WHOLE, _CATCH_UP = "durable", "whole", "catch-up"
+#: Work for the thread, one of two kinds (None alone stops the thread): ``_WHOLE``
+#: with ops to run whole on the thread, holding the connection (a task, or commands
+#: that found the write lock taken); ``_CATCH_UP``: a checkpoint on the writer's
+#: connection (``_Checkpointer.catch_up``), which the thread holds meanwhile.
+_Job = tuple[str, list[_Op]]
+_WHOLE, _CATCH_UP = "whole", "catch-up"
 
 
 class SqliteStore:
-    """Records in one SQLite file (``sqlite:///path/to.db``)."""
+    """Records in one SQLite file (``sqlite:///path/to.db``).
+
+    Opening it starts its syncer (the module's docstring), a process unless
+    ``fsync_process`` is False, when it runs on a thread of this process: for tests
+    that stand in for the fsync (``_syncer.sync_data``), which they can only do here.
+    """
 
     def __init__(
         self,
@@ -259,6 +270,7 @@ class SqliteStore:
         *,
         max_batch: int = 512,
         timeout_seconds: float = 5.0,
+        fsync_process: bool = True,
     ) -> None:
         self.path = Path(path)
         self._clock = clock or SystemClock()
@@ -277,13 +289,19 @@ class SqliteStore:
         #: The connection is in a batch: the loop's statements or the thread's job.
         self._busy = False
         self._idle = asyncio.Event()
-        #: Set by the thread: the first fsync of the WAL that failed (then every call fails).
+        #: Why nothing more can be made durable (a failed fsync, the files deleted or
+        #: replaced, the syncer gone): from then on every call fails.
         self._failed: Exception | None = None
-        #: The WAL file, opened by the thread to fsync it; the checkpointer likewise.
+        #: The WAL file, opened by the thread for the syncer to fsync.
         self._wal_fd = -1
-        #: The database and WAL files as opened: (path, (device, inode)) each (``_moved``).
-        self._files: tuple[tuple[str, tuple[int, int]], ...] = ()
+        #: The database and WAL files as opened: (path, (device, inode)) each
+        #: (``_syncer.moved``).
+        self._files: list[tuple[str, tuple[int, int]]] = []
         self._checkpointer: _Checkpointer | None = None
+        self._fsync_process = fsync_process
+        self._syncer: _Syncer | None = None
+        #: Batches committed, oldest first, each answered when the syncer has fsynced it.
+        self._unsynced: collections.deque[_Results] = collections.deque()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -301,6 +319,20 @@ class SqliteStore:
             )
             thread.start()
             self._conn = await ready
+            try:
+                self._syncer = await _Syncer.start(
+                    loop,
+                    self._wal_fd,
+                    self._files,
+                    self._synced,
+                    self._sync_failed,
+                    process=self._fsync_process,
+                )
+            except BaseException:
+                self._jobs.put(None)
+                await loop.run_in_executor(None, thread.join)
+                self._conn = None
+                raise
             self._loop = loop
             self._busy = False
             self._idle = asyncio.Event()
@@ -323,6 +355,10 @@ class SqliteStore:
                 return
             if store_loop is asyncio.get_running_loop():
                 await self._idle.wait()
+            syncer, self._syncer = self._syncer, None
+            if syncer is not None:  # it answers what it was given, then ends
+                await syncer.close()
+            self._fail_unsynced()  # (when it could not)
             self._jobs.put(None)
             await asyncio.get_running_loop().run_in_executor(None, thread.join)
             self._conn = None
@@ -508,10 +544,10 @@ class SqliteStore:
             return
         checkpointer = self._checkpointer
         if checkpointer is not None and checkpointer.behind:  # catch_up clears it
-            self._jobs.put((_CATCH_UP, [], []))
+            self._jobs.put((_CATCH_UP, []))
             return
         if pending[0].command is None:
-            self._jobs.put((_WHOLE, [pending.popleft()], []))
+            self._jobs.put((_WHOLE, [pending.popleft()]))
             return
         batch: list[_Op] = []
         while pending and len(batch) < self._max_batch and pending[0].command is not None:
@@ -521,12 +557,12 @@ class SqliteStore:
         try:
             conn.execute("BEGIN IMMEDIATE")  # busy_timeout is 0 on this connection
         except sqlite3.Error:
-            self._jobs.put((_WHOLE, batch, []))
+            self._jobs.put((_WHOLE, batch))
             return
         results: _Results = []
         try:
             self._decide_in_transaction(conn, batch, results)
-            conn.execute("COMMIT")  # to the OS: the thread fsyncs before anyone is answered
+            conn.execute("COMMIT")  # to the OS: the syncer fsyncs before anyone is answered
         except BaseException as exc:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute("ROLLBACK")
@@ -544,7 +580,7 @@ class SqliteStore:
             for op in batch:
                 settle(op.future, error)
         else:
-            self._jobs.put((_DURABLE, batch, results))
+            self._make_durable(results)
         # The connection is free again: what arrived meanwhile is the next batch (on the
         # next turn of the loop, not by recursion).
         asyncio.get_running_loop().call_soon(self._next)
@@ -555,9 +591,55 @@ class SqliteStore:
             settle(op.future, outcome)
 
     def _finished(self, results: _Results) -> None:
-        """On the event loop: answer what the thread ran whole; the connection is free."""
-        self._answer(results)
+        """On the event loop: the thread is done with the connection; what it ran whole
+        is answered once it is durable."""
+        if results:
+            self._make_durable(results)
         self._next()
+
+    def _make_durable(self, results: _Results) -> None:
+        """On the event loop: have the syncer fsync the WAL, then answer ``results``
+        (a batch just committed: one fsync covers every COMMIT made before it)."""
+        if self._failed is not None or self._syncer is None:
+            for op, _ in results:
+                settle(op.future, _not_durable())
+            return
+        self._unsynced.append(results)
+        self._syncer.request()
+
+    def _synced(self, batches: int) -> None:
+        """On the event loop: the syncer made the oldest ``batches`` batches durable."""
+        for _ in range(batches):
+            self._answer(self._unsynced.popleft())
+        if self._checkpointer is not None:
+            self._checkpointer.poke()
+
+    def _sync_failed(self, error: Exception, kind: str) -> None:
+        """On the event loop: the syncer could not make the WAL durable (``kind``: the
+        files were moved, the fsync failed, the syncer ended); refuse what waits for it
+        and, from now on, everything (``_failed``), and say so once."""
+        if self._failed is None:
+            self._failed = error
+            if kind == _syncer.MOVED.decode():
+                _log_moved(str(error))
+            elif kind == _syncer.FSYNC_FAILED.decode():
+                log.critical(
+                    "fsync of the SQLite WAL failed (%s): the lease store refuses every "
+                    "request until leasekeeper is restarted; check the disk first",
+                    error,
+                )
+            else:
+                log.critical(
+                    "the SQLite store's fsync %s: the lease store refuses every request "
+                    "until leasekeeper is restarted",
+                    error,
+                )
+        self._fail_unsynced()
+
+    def _fail_unsynced(self) -> None:
+        while self._unsynced:
+            for op, _ in self._unsynced.popleft():
+                settle(op.future, _not_durable())
 
     def _sync_thread(
         self, loop: asyncio.AbstractEventLoop, ready: asyncio.Future[sqlite3.Connection]
@@ -575,25 +657,11 @@ class SqliteStore:
             conn.execute("PRAGMA wal_autocheckpoint = 1000")
         self._checkpointer = checkpointer
         loop.call_soon_threadsafe(settle, ready, conn)
-        # Jobs taken off the queue ahead of their turn, while gathering _DURABLE ones.
-        backlog: collections.deque[_Job | None] = collections.deque()
         try:
-            while (job := backlog.popleft() if backlog else self._jobs.get()) is not None:
-                kind, batch, results = job
-                if kind == _DURABLE:
-                    # Every batch committed by now is on the queue: one fsync for them all.
-                    results = list(results)
-                    while True:
-                        try:
-                            more = self._jobs.get_nowait()
-                        except queue.Empty:
-                            break
-                        if more is None or more[0] != _DURABLE:
-                            backlog.append(more)
-                            break
-                        results += more[2]
-                    answer = self._answer
-                elif kind == _WHOLE:
+            while (job := self._jobs.get()) is not None:
+                kind, batch = job
+                results: _Results = []
+                if kind == _WHOLE:
                     try:
                         results = self._run_batch(conn, batch)
                     except Exception:  # never let the thread die: its waiters would hang
@@ -602,40 +670,15 @@ class SqliteStore:
                         with contextlib.suppress(sqlite3.Error):
                             if conn.in_transaction:  # nothing of the batch is kept
                                 conn.execute("ROLLBACK")
-                    answer = self._finished  # and the loop may use the connection again
                 else:
                     checkpointer.catch_up(conn)
-                    answer = self._finished
-                if results:
-                    results = self._durable(results)
-                    checkpointer.poke()
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                    loop.call_soon_threadsafe(answer, results)
+                    # The loop may use the connection again; it has the results fsynced.
+                    loop.call_soon_threadsafe(self._finished, results)
         finally:
             checkpointer.stop()
             conn.close()
             os.close(self._wal_fd)
-
-    def _durable(self, results: _Results) -> _Results:
-        """On the thread: fsync the WAL, so that ``results`` may be answered; if it fails,
-        they (and every later call: ``_failed``) are refused instead."""
-        if not self._refuse_moved():  # answered only from the files that will be opened again
-            try:
-                self._sync_wal()
-                return results
-            except Exception as exc:  # OSError, in practice; anything else proves nothing
-                self._failed = exc
-                log.critical(
-                    "fsync of the SQLite WAL failed (%s): the lease store refuses every "
-                    "request until leasekeeper is restarted; check the disk first",
-                    exc,
-                )
-        error = _not_durable()
-        return [(op, error) for op, _ in results]
-
-    def _sync_wal(self) -> None:
-        """Make every COMMIT so far durable: the fsync ``synchronous=FULL`` makes in each."""
-        _sync_data(self._wal_fd)
 
     def _connect(self) -> sqlite3.Connection:
         if sqlite3.sqlite_version_info < _OLDEST_SQLITE:
@@ -690,8 +733,8 @@ class SqliteStore:
         # The event loop takes the write lock without waiting (SqliteStore._next); the
         # thread sets the timeout around its own BEGIN (_run_batch).
         conn.execute("PRAGMA busy_timeout = 0")
-        # From here a COMMIT writes the WAL without an fsync, and the thread fsyncs it
-        # before any answer (_durable). NORMAL still syncs the WAL's header when the WAL
+        # From here a COMMIT writes the WAL without an fsync, and the syncer fsyncs it
+        # before any answer (_make_durable). NORMAL still syncs the WAL's header when the WAL
         # starts over, and both files around each checkpoint, as FULL does.
         conn.execute("PRAGMA synchronous = NORMAL")
         # The WAL exists from the first read in WAL mode on, for as long as we are open.
@@ -700,45 +743,22 @@ class SqliteStore:
         found = os.stat(database)
         self._wal_fd = os.open(f"{database}-wal", os.O_RDONLY)
         wal = os.fstat(self._wal_fd)
-        self._files = (
+        self._files = [
             (database, (found.st_dev, found.st_ino)),
             (f"{database}-wal", (wal.st_dev, wal.st_ino)),
-        )
-
-    def _moved(self) -> str | None:
-        """On the thread: what became of the database or WAL file since they were opened
-        (deleted, replaced), or None. Writes to a file no longer at its path are lost at
-        the next start, and the fencing counter with them."""
-        try:
-            if os.fstat(self._wal_fd).st_nlink == 0:
-                return "the -wal file was deleted"
-            for name, identity in self._files:
-                try:
-                    found = os.stat(name)
-                except FileNotFoundError:
-                    return f"{name} was deleted"
-                if (found.st_dev, found.st_ino) != identity:
-                    return f"{name} was replaced"
-        except OSError as exc:  # the directory made unreadable, say: nothing can be proved
-            return f"the store's files cannot be looked at ({exc.strerror})"
-        return None
+        ]
 
     def _refuse_moved(self) -> bool:
-        """On the thread: if the files were deleted or replaced, refuse everything from
-        now on (``_failed``, as after a failed fsync) and say so once; whether they were."""
+        """On the thread (a ping): if the files were deleted or replaced, refuse
+        everything from now on (``_failed``, as after a failed fsync) and say so once;
+        whether they were. The syncer checks the same before every fsync."""
         if self._failed is not None:
             return True
-        moved = self._moved()
+        moved = _syncer.moved(self._wal_fd, self._files)
         if moved is None:
             return False
         self._failed = RuntimeError(moved)
-        log.critical(
-            "the SQLite store's files were deleted or replaced while it was open (%s): "
-            "the lease store refuses every request until leasekeeper is restarted. Put the "
-            "file back, or before restarting raise the fencing counter above every token "
-            "handed out (leasekeeper fence --raise-to): a new file starts it again",
-            moved,
-        )
+        _log_moved(moved)
         return True
 
     def _run_batch(self, conn: sqlite3.Connection, batch: list[_Op]) -> _Results:
@@ -933,3 +953,230 @@ class _Checkpointer:
                     return
         finally:
             conn.close()
+
+
+class _Syncer:
+    """The event loop's end of the WAL's fsync (``_syncer``: why, and the protocol).
+
+    The fsync runs in a process of its own (``python -I -S _syncer.py``), or, where
+    none can be started, on a thread of this one (logged). ``request()`` asks for an
+    fsync that covers a batch just committed; fsyncs are answered in order, by
+    ``durable(count)`` for the oldest ``count`` batches asked for, or else once by
+    ``failed(error, kind)`` (``kind``: ``"M"`` for moved files, ``"F"`` for a failed
+    fsync, ``""`` for a syncer that ended first), after which nothing is answered.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        durable: Callable[[int], None],
+        failed: Callable[[Exception, str], None],
+    ) -> None:
+        self._loop = loop
+        self._durable = durable
+        self._failed = failed
+        self._process: subprocess.Popen[bytes] | None = None
+        self._thread: threading.Thread | None = None
+        self._requests = self._replies = -1
+        #: Batches asked for that did not fit in the pipe yet (``request``).
+        self._owed = 0
+        #: What came after the last ``.``: a failure's line, perhaps not whole yet.
+        self._tail = b""
+        self._closing = False
+        self._ended: asyncio.Future[None] = loop.create_future()
+
+    @classmethod
+    async def start(
+        cls,
+        loop: asyncio.AbstractEventLoop,
+        wal: int,
+        files: list[tuple[str, tuple[int, int]]],
+        durable: Callable[[int], None],
+        failed: Callable[[Exception, str], None],
+        *,
+        process: bool,
+    ) -> _Syncer:
+        """A syncer for the WAL open as ``wal``, whose first fsync has been answered:
+        a syncer that cannot fsync refuses the store's start, not its first request."""
+        self = cls(loop, durable, failed)
+        errors: list[Exception] = []
+        first: asyncio.Future[None] = loop.create_future()
+
+        def greeted(count: int) -> None:
+            if not first.done():
+                first.set_result(None)
+
+        def refused(error: Exception, kind: str) -> None:
+            errors.append(error)
+            if not first.done():
+                first.set_result(None)
+
+        self._durable, self._failed = greeted, refused
+        self._connect(wal, files, process)
+        try:
+            self.request()
+            await first
+        except BaseException:
+            await self.close()
+            raise
+        if errors:
+            await self.close()
+            raise ServiceUnavailable(f"Cannot fsync the SQLite store's WAL: {errors[0]}")
+        self._durable, self._failed = durable, failed
+        return self
+
+    def _connect(self, wal: int, files: list[tuple[str, tuple[int, int]]], process: bool) -> None:
+        requests, self._requests = os.pipe()
+        self._replies, replies = os.pipe()
+        try:
+            if process:
+                self._process = self._spawn(requests, replies, wal, files)
+            if self._process is None:
+                own = os.dup(wal)  # the thread closes its descriptors when it ends
+                self._thread = threading.Thread(
+                    target=_serve_on_thread,
+                    args=(requests, replies, own, files),
+                    name="leasekeeper-sqlite-fsync",
+                    daemon=True,
+                )
+                self._thread.start()
+        except BaseException:
+            for fd in (requests, replies, self._requests, self._replies):
+                os.close(fd)
+            raise
+        if self._process is not None:
+            os.close(requests)
+            os.close(replies)
+        os.set_blocking(self._requests, False)
+        os.set_blocking(self._replies, False)
+        self._loop.add_reader(self._replies, self._readable)
+
+    @staticmethod
+    def _spawn(
+        requests: int, replies: int, wal: int, files: list[tuple[str, tuple[int, int]]]
+    ) -> subprocess.Popen[bytes] | None:
+        script = _syncer.__file__
+        if not sys.executable or not script or not script.endswith(".py"):
+            log.warning("the SQLite WAL is fsynced on a thread: no Python to run %s", script)
+            return None
+        argv = [sys.executable, "-I", "-S", script, *_syncer.arguments(wal, files)]
+        try:
+            # argv: this Python, our own script, numbers and the store's paths: no shell
+            return subprocess.Popen(argv, stdin=requests, stdout=replies, pass_fds=(wal,))  # noqa: S603
+        except OSError as exc:
+            log.warning("the SQLite WAL is fsynced on a thread: no process started (%s)", exc)
+            return None
+
+    @property
+    def pid(self) -> int | None:
+        """The syncer's process, if it is one."""
+        return None if self._process is None else self._process.pid
+
+    def request(self) -> None:
+        """Ask for an fsync covering every COMMIT so far (answered by ``durable``)."""
+        if self._requests < 0:
+            return  # closed: close() answers nothing more, the store refuses what waits
+        if self._owed:
+            self._owed += 1
+            return
+        try:
+            os.write(self._requests, _syncer.BATCH)
+        except BlockingIOError:  # the pipe holds 64 KiB of batches: sent with the next answer
+            self._owed = 1
+        except OSError:  # BrokenPipeError: the syncer has gone
+            self._end(RuntimeError(self._how_it_ended()))
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self._replies, _syncer.READ_BYTES)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._end(RuntimeError(f"pipe failed ({exc.strerror})"))
+            return
+        if not data:
+            self._end(RuntimeError(self._how_it_ended()))
+            return
+        if not self._tail:
+            synced = len(data) - len(data.lstrip(_syncer.BATCH))
+            data = data[synced:]
+            if synced:
+                self._answer(synced)
+        self._tail += data
+        if b"\n" in self._tail:
+            self._report(self._tail)
+
+    def _answer(self, synced: int) -> None:
+        if self._owed:
+            owed, self._owed = self._owed, 0
+            while owed and not self._tail:
+                try:
+                    owed -= os.write(self._requests, _syncer.BATCH * owed)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    break  # the syncer has gone: its end of file follows
+            self._owed = owed
+        self._durable(synced)
+
+    def _report(self, line: bytes) -> None:
+        """The syncer's line before it ends: a failure to report, once."""
+        kind, text = line[:1], line[1:].partition(b"\n")[0]
+        if kind == _syncer.FSYNC_FAILED:
+            number, _, message = text.partition(b" ")
+            error: Exception = OSError(
+                int(number) if number.isdigit() else 0, message.decode("utf-8", "replace")
+            )
+        elif kind == _syncer.MOVED:
+            error = RuntimeError(text.decode("utf-8", "surrogateescape"))
+        else:
+            error = RuntimeError(f"process said {line[:200]!r}")
+        self._end(error, kind.decode("ascii", "replace"))
+
+    def _how_it_ended(self) -> str:
+        code = None if self._process is None else self._process.poll()
+        if self._thread is not None:
+            return "thread ended"
+        return "process ended" if code is None else f"process ended (exit status {code})"
+
+    def _end(self, error: Exception, kind: str = "") -> None:
+        """No more answers: tell the store why, unless the store itself closed us."""
+        if self._ended.done():
+            return
+        with contextlib.suppress(RuntimeError, ValueError):  # a loop already closed
+            self._loop.remove_reader(self._replies)
+        self._ended.set_result(None)
+        if not self._closing or kind:
+            self._failed(error, kind)
+
+    async def close(self) -> None:
+        """End the syncer once it has answered what it was asked (its end of file),
+        and wait for its process or thread."""
+        self._closing = True
+        if self._requests >= 0:
+            os.close(self._requests)
+            self._requests = -1
+        if asyncio.get_running_loop() is self._loop and not self._ended.done():
+            await asyncio.shield(self._ended)
+        else:  # not on the loop that reads the answers: nobody waits for them
+            self._end(RuntimeError("closed"))
+        if self._process is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._process.wait)
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        if self._replies >= 0:
+            os.close(self._replies)
+            self._replies = -1
+
+
+def _serve_on_thread(
+    requests: int, replies: int, wal: int, files: list[tuple[str, tuple[int, int]]]
+) -> None:
+    """``_syncer.serve`` on a thread, with descriptors of its own that it closes."""
+    try:
+        _syncer.serve(requests, replies, wal, files)
+    except Exception:  # the store hears of it as the end of the replies
+        log.exception("the SQLite WAL's fsync thread failed")
+    finally:
+        for fd in (requests, replies, wal):
+            os.close(fd)
