@@ -24,21 +24,56 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _stat(pid: int) -> list[str]:
+    """``/proc/<pid>/stat``'s fields after the command name (state first)."""
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` now (leasekeeper's SQLite store runs its
+    fsync in one: ``store/_syncer.py``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):  # gone meanwhile
+                if int(_stat(int(entry.name))[1]) == pid:
+                    found.append(int(entry.name))
+    return found
+
+
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of every thread of ``pid`` so far (``/proc/<pid>/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    # After the command name: state is field 3, utime field 14, stime field 15.
-    return (int(fields[11]) + int(fields[12])) / _TICKS
+    """User + system CPU time so far of every thread of ``pid`` and of its children
+    still running (``/proc/<pid>/stat``): a server's CPU is its helpers' too."""
+
+    def cpu(fields: list[str]) -> float:
+        # After the command name: state is field 3, utime field 14, stime field 15.
+        return (int(fields[11]) + int(fields[12])) / _TICKS
+
+    total = cpu(_stat(pid))
+    for child in children(pid):
+        with contextlib.suppress(OSError):  # a child that ended meanwhile
+            total += cpu(_stat(child))
+    return total
 
 
 def memory_mb(pid: int) -> tuple[float, float]:
-    """(resident set size now, its peak) in MiB, from ``/proc/<pid>/status``."""
-    values = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, rest = line.partition(":")
-        if name in ("VmRSS", "VmHWM"):
-            values[name] = int(rest.split()[0]) / 1024
-    return values.get("VmRSS", 0.0), values.get("VmHWM", 0.0)
+    """(resident set size now, its peak) in MiB of ``pid`` and its children together,
+    from ``/proc/<pid>/status`` (the peak is the sum of each one's own)."""
+
+    def read(each: int) -> tuple[float, float]:
+        values = {}
+        for line in Path(f"/proc/{each}/status").read_text().splitlines():
+            name, _, rest = line.partition(":")
+            if name in ("VmRSS", "VmHWM"):
+                values[name] = int(rest.split()[0]) / 1024
+        return values.get("VmRSS", 0.0), values.get("VmHWM", 0.0)
+
+    rss, peak = read(pid)
+    for child in children(pid):
+        with contextlib.suppress(OSError):  # a child that ended meanwhile
+            child_rss, child_peak = read(child)
+            rss, peak = rss + child_rss, peak + child_peak
+    return rss, peak
 
 
 @dataclass
