@@ -1157,8 +1157,7 @@ def test_a_store_whose_fsync_process_died_refuses_everything(
         asyncio.run(main())
     critical = [r.getMessage() for r in caplog.records if r.levelname == "CRITICAL"]
     assert len(critical) == 1, critical
-    # With its exit status (-9) when it was reaped by then: it may not be, yet.
-    assert "the SQLite store's fsync process ended" in critical[0]
+    assert "the SQLite store's fsync process ended (exit status -9)" in critical[0]
 
 
 def test_where_no_process_can_be_started_the_wal_is_fsynced_on_a_thread(
@@ -1219,40 +1218,194 @@ def test_a_store_whose_wal_cannot_be_fsynced_does_not_open(
     assert set(os.listdir("/proc/self/fd")) <= before
 
 
+@pytest.mark.parametrize("close_while_owed", [False, True])
 def test_batches_beyond_what_the_pipe_holds_are_all_answered(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, close_while_owed: bool
 ) -> None:
     """The store asks for an fsync with one byte a batch; while an fsync waits, more
-    batches than the pipe holds (64 KiB) are kept count of and sent as room comes, and
-    each is answered once, in order."""
+    batches than the pipe holds (64 KiB) are kept count of and sent as room comes, each
+    answered once, none refused: also when the store closes meanwhile (committed
+    batches must not be answered 503 for want of room in a pipe)."""
     from leasekeeper.store import _sqlite
 
     gate = GatedFsync(monkeypatch)
     answered: list[int] = []
+    refused: list[str] = []
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
         wal = os.open(tmp_path / "wal", os.O_RDWR | os.O_CREAT)
         files = [(str(tmp_path / "wal"), (os.fstat(wal).st_dev, os.fstat(wal).st_ino))]
-        done = loop.create_future()
-
-        def durable(count: int) -> None:
-            answered.append(count)
-            if sum(answered) == 70_000:
-                done.set_result(None)
 
         def failed(error: Exception, kind: str) -> None:
-            done.set_exception(AssertionError(f"{kind}: {error}"))
+            refused.append(f"{kind}: {error}")
 
-        syncer = await _sqlite._Syncer.start(loop, wal, files, durable, failed, process=False)
+        syncer = await _sqlite._Syncer.start(
+            loop, wal, files, answered.append, failed, process=False, first_fsync_within=10
+        )
         gate.armed.set()
         for _ in range(70_000):
             syncer.request()
         assert syncer._owed > 0  # the pipe is full: the rest are owed
+        closing = asyncio.ensure_future(syncer.close()) if close_while_owed else None
+        await asyncio.sleep(0.05)
         gate.release.set()
-        await asyncio.wait_for(done, 30)
+        deadline = time.monotonic() + 30
+        while sum(answered) < 70_000 and not refused:
+            assert time.monotonic() < deadline, f"{sum(answered)} answered"
+            await asyncio.sleep(0.01)
+        await (closing or syncer.close())
+        os.close(wal)
+
+    asyncio.run(main())
+    assert refused == []
+    assert sum(answered) == 70_000
+
+
+def test_answers_then_a_failure_in_one_read_or_a_line_in_two_are_each_told_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the syncer writes may arrive in any pieces: batches answered and then its
+    failure in one read, the failure's line split over two. The batches are answered,
+    then the failure told once, with its errno and message."""
+    from leasekeeper.store import _sqlite
+
+    def stand_in(requests: int, replies: int, wal: int, files: Any) -> None:
+        os.read(requests, 1)
+        os.write(replies, b".")  # the first fsync, as the store opens
+        got = b""
+        while len(got) < 2:
+            got += os.read(requests, 2 - len(got))
+        os.write(replies, b"..F5 Inp")
+        time.sleep(0.1)
+        os.write(replies, b"ut/output error\n")
+
+    monkeypatch.setattr(_syncer, "serve", stand_in)
+    told: list[tuple[str, Any]] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        wal = os.open(tmp_path / "wal", os.O_RDWR | os.O_CREAT)
+        ended = loop.create_future()
+
+        def failed(error: Exception, kind: str) -> None:
+            told.append((kind, error))
+            ended.set_result(None)
+
+        syncer = await _sqlite._Syncer.start(
+            loop,
+            wal,
+            [],
+            lambda count: told.append(("durable", count)),
+            failed,
+            process=False,
+            first_fsync_within=10,
+        )
+        syncer.request()
+        syncer.request()
+        await asyncio.wait_for(ended, 10)
         await syncer.close()
         os.close(wal)
 
     asyncio.run(main())
-    assert sum(answered) == 70_000
+    assert [kind for kind, _ in told] == ["durable", "F"]
+    assert told[0][1] == 2
+    error = told[1][1]
+    assert isinstance(error, OSError)
+    assert (error.errno, error.strerror) == (5, "Input/output error")
+
+
+def test_a_syncer_process_that_does_not_work_leaves_the_fsync_to_a_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process that starts but ends before its first fsync (a Python that cannot run
+    the script, say) does not keep the store from opening: the fsync runs on a thread,
+    with a warning that says what became of the process."""
+    broken = tmp_path / "broken.py"
+    broken.write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.setattr(_syncer, "__file__", str(broken))
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "b.db", FakeClock())
+        await store.open()
+        assert store._syncer is not None and store._syncer.pid is None
+        decision = await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        assert isinstance(decision.outcome, Granted)
+        await store.close()
+
+    with caplog.at_level(logging.WARNING, logger="leasekeeper.store.sqlite"):
+        asyncio.run(main())
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "the SQLite WAL is fsynced on a thread: its process ended before its first fsync "
+        "(process ended (exit status 3))"
+    ]
+
+
+def test_the_syncer_ends_when_its_server_is_killed(tmp_path: Path) -> None:
+    """A server killed outright (SIGKILL, the OOM killer) cannot close its store: its
+    syncer sees the end of its input and exits by itself, rather than outlive it."""
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import asyncio, os, sys, time\n"
+        "from leasekeeper.store._sqlite import SqliteStore\n"
+        "async def main():\n"
+        "    store = SqliteStore(sys.argv[1])\n"
+        "    await store.open()\n"
+        "    print(store._syncer.pid, flush=True)\n"
+        "    time.sleep(60)\n"
+        "asyncio.run(main())\n"
+    )
+    server = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path / "k.db")], stdout=subprocess.PIPE
+    )
+    try:
+        assert server.stdout is not None
+        syncer = int(server.stdout.readline())
+        assert _state(syncer) not in (None, "Z")
+        server.send_signal(signal.SIGKILL)
+        server.wait(10)
+        deadline = time.monotonic() + 10
+        while _state(syncer) not in (None, "Z"):  # gone, or ended and not yet reaped
+            assert time.monotonic() < deadline, "the syncer outlived its server"
+            time.sleep(0.02)
+    finally:
+        server.kill()
+        server.wait()
+        if server.stdout is not None:
+            server.stdout.close()
+
+
+def test_a_syncer_that_fails_to_start_leaves_no_process_nor_descriptor(tmp_path: Path) -> None:
+    """A syncer whose start fails after its process is running (the loop cannot watch
+    its pipe, say) is killed and its pipes closed: the store does not open (503), and
+    leaves nothing behind."""
+    before = set(os.listdir("/proc/self/fd"))
+
+    def my_children() -> list[str]:
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError):
+                    stat = Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()
+                    if int(stat[1]) == os.getpid() and stat[0] != "Z":
+                        found.append(entry)
+        return found
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        def refusing(*args: Any) -> None:
+            raise OSError(errno.EPERM, "Operation not permitted")
+
+        loop.add_reader = refusing  # type: ignore[method-assign]
+        store = SqliteStore(tmp_path / "r.db", FakeClock())
+        with pytest.raises(ServiceUnavailable, match="Cannot start the SQLite store's fsync"):
+            await store.open()
+
+    asyncio.run(main())
+    assert my_children() == []
+    assert set(os.listdir("/proc/self/fd")) <= before

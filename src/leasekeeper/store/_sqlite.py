@@ -327,6 +327,7 @@ class SqliteStore:
                     self._synced,
                     self._sync_failed,
                     process=self._fsync_process,
+                    first_fsync_within=self._timeout,
                 )
             except BaseException:
                 self._jobs.put(None)
@@ -983,6 +984,8 @@ class _Syncer:
         #: What came after the last ``.``: a failure's line, perhaps not whole yet.
         self._tail = b""
         self._closing = False
+        #: ``_readable`` is called when answers come (``_connect`` got that far).
+        self._reading = False
         self._ended: asyncio.Future[None] = loop.create_future()
 
     @classmethod
@@ -995,77 +998,112 @@ class _Syncer:
         failed: Callable[[Exception, str], None],
         *,
         process: bool,
+        first_fsync_within: float,
     ) -> _Syncer:
-        """A syncer for the WAL open as ``wal``, whose first fsync has been answered:
-        a syncer that cannot fsync refuses the store's start, not its first request."""
+        """A syncer for the WAL open as ``wal``, whose first fsync has been answered: one
+        that cannot fsync refuses the store's start (``ServiceUnavailable``), not its
+        first request. A process that cannot be started, or that ends or says nothing
+        for ``first_fsync_within`` seconds before its first fsync (no working Python),
+        leaves the fsync to a thread, with a warning."""
+        within = first_fsync_within
+        if process:
+            try:
+                return await cls._greeted(loop, wal, files, durable, failed, True, within)
+            except _NoProcess as exc:
+                log.warning("the SQLite WAL is fsynced on a thread: %s", exc)
+        return await cls._greeted(loop, wal, files, durable, failed, False, within)
+
+    @classmethod
+    async def _greeted(
+        cls,
+        loop: asyncio.AbstractEventLoop,
+        wal: int,
+        files: list[tuple[str, tuple[int, int]]],
+        durable: Callable[[int], None],
+        failed: Callable[[Exception, str], None],
+        process: bool,
+        within: float,
+    ) -> _Syncer:
         self = cls(loop, durable, failed)
-        errors: list[Exception] = []
-        first: asyncio.Future[None] = loop.create_future()
+        first: asyncio.Future[tuple[Exception, str] | None] = loop.create_future()
 
         def greeted(count: int) -> None:
             if not first.done():
                 first.set_result(None)
 
         def refused(error: Exception, kind: str) -> None:
-            errors.append(error)
             if not first.done():
-                first.set_result(None)
+                first.set_result((error, kind))
 
         self._durable, self._failed = greeted, refused
-        self._connect(wal, files, process)
         try:
+            self._connect(wal, files, process)
             self.request()
-            await first
+            refusal = await asyncio.wait_for(asyncio.shield(first), within)
+        except TimeoutError:
+            await self.close(kill=True)
+            if process:
+                raise _NoProcess(f"its process said nothing within {within:g} s") from None
+            raise ServiceUnavailable(
+                f"Cannot fsync the SQLite store's WAL: no fsync within {within:g} s"
+            ) from None
+        except OSError as exc:  # no descriptors left for its pipes, say
+            await self.close(kill=True)
+            raise ServiceUnavailable(f"Cannot start the SQLite store's fsync: {exc}") from None
         except BaseException:
-            await self.close()
+            await self.close(kill=True)
             raise
-        if errors:
+        if refusal is not None:
+            error, kind = refusal
             await self.close()
-            raise ServiceUnavailable(f"Cannot fsync the SQLite store's WAL: {errors[0]}")
+            if process and not kind:
+                raise _NoProcess(f"its process ended before its first fsync ({error})")
+            raise ServiceUnavailable(f"Cannot fsync the SQLite store's WAL: {error}")
         self._durable, self._failed = durable, failed
         return self
 
     def _connect(self, wal: int, files: list[tuple[str, tuple[int, int]]], process: bool) -> None:
-        requests, self._requests = os.pipe()
-        self._replies, replies = os.pipe()
+        """The pipes, then the process or thread at their other end, then our reader;
+        whatever fails on the way leaves nothing of its own open (``close`` the rest)."""
+        theirs: list[int] = []
         try:
+            requests, self._requests = os.pipe()
+            theirs.append(requests)
+            self._replies, replies = os.pipe()
+            theirs.append(replies)
             if process:
                 self._process = self._spawn(requests, replies, wal, files)
-            if self._process is None:
-                own = os.dup(wal)  # the thread closes its descriptors when it ends
-                self._thread = threading.Thread(
+            else:
+                theirs.append(os.dup(wal))
+                thread = threading.Thread(
                     target=_serve_on_thread,
-                    args=(requests, replies, own, files),
+                    args=(requests, replies, theirs[-1], files),
                     name="leasekeeper-sqlite-fsync",
                     daemon=True,
                 )
-                self._thread.start()
-        except BaseException:
-            for fd in (requests, replies, self._requests, self._replies):
+                thread.start()
+                self._thread, theirs = thread, []  # it closes them when it ends
+            os.set_blocking(self._requests, False)
+            os.set_blocking(self._replies, False)
+            self._loop.add_reader(self._replies, self._readable)
+            self._reading = True
+        finally:
+            for fd in theirs:
                 os.close(fd)
-            raise
-        if self._process is not None:
-            os.close(requests)
-            os.close(replies)
-        os.set_blocking(self._requests, False)
-        os.set_blocking(self._replies, False)
-        self._loop.add_reader(self._replies, self._readable)
 
     @staticmethod
     def _spawn(
         requests: int, replies: int, wal: int, files: list[tuple[str, tuple[int, int]]]
-    ) -> subprocess.Popen[bytes] | None:
+    ) -> subprocess.Popen[bytes]:
         script = _syncer.__file__
         if not sys.executable or not script or not script.endswith(".py"):
-            log.warning("the SQLite WAL is fsynced on a thread: no Python to run %s", script)
-            return None
+            raise _NoProcess(f"no Python to run {script}")
         argv = [sys.executable, "-I", "-S", script, *_syncer.arguments(wal, files)]
         try:
             # argv: this Python, our own script, numbers and the store's paths: no shell
             return subprocess.Popen(argv, stdin=requests, stdout=replies, pass_fds=(wal,))  # noqa: S603
         except OSError as exc:
-            log.warning("the SQLite WAL is fsynced on a thread: no process started (%s)", exc)
-            return None
+            raise _NoProcess(f"no process started ({exc})") from None
 
     @property
     def pid(self) -> int | None:
@@ -1117,6 +1155,8 @@ class _Syncer:
                 except OSError:
                     break  # the syncer has gone: its end of file follows
             self._owed = owed
+            if self._closing and not owed:
+                self._close_requests()  # close() waited for the owed to be sent
         self._durable(synced)
 
     def _report(self, line: bytes) -> None:
@@ -1134,39 +1174,55 @@ class _Syncer:
         self._end(error, kind.decode("ascii", "replace"))
 
     def _how_it_ended(self) -> str:
-        code = None if self._process is None else self._process.poll()
-        if self._thread is not None:
+        """For the log: the process's exit status tells a crash from a kill (-9: the
+        OOM killer, say). Its pipe closes just before it can be reaped, so this waits
+        for that a moment (on the loop, but only once: the syncer has gone)."""
+        if self._process is None:
             return "thread ended"
-        return "process ended" if code is None else f"process ended (exit status {code})"
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return f"process ended (exit status {self._process.wait(0.1)})"
+        return "process ended"
 
     def _end(self, error: Exception, kind: str = "") -> None:
         """No more answers: tell the store why, unless the store itself closed us."""
         if self._ended.done():
             return
-        with contextlib.suppress(RuntimeError, ValueError):  # a loop already closed
+        with contextlib.suppress(RuntimeError, ValueError, OSError):  # a loop already closed
             self._loop.remove_reader(self._replies)
         self._ended.set_result(None)
         if not self._closing or kind:
             self._failed(error, kind)
 
-    async def close(self) -> None:
-        """End the syncer once it has answered what it was asked (its end of file),
-        and wait for its process or thread."""
-        self._closing = True
+    def _close_requests(self) -> None:
         if self._requests >= 0:
             os.close(self._requests)
             self._requests = -1
-        if asyncio.get_running_loop() is self._loop and not self._ended.done():
+
+    async def close(self, *, kill: bool = False) -> None:
+        """End the syncer once it has answered what it was asked (batches still owed
+        are sent first), and wait for its process or thread; with ``kill``, at once."""
+        self._closing = True
+        on_loop = asyncio.get_running_loop() is self._loop
+        if kill or not self._owed or not on_loop:
+            self._close_requests()  # else _answer closes it once the owed are sent
+        if self._process is not None and kill:
+            self._process.kill()
+        if on_loop and self._reading and not kill and not self._ended.done():
             await asyncio.shield(self._ended)
-        else:  # not on the loop that reads the answers: nobody waits for them
+        else:  # killed, never started, or not on the loop that reads: nobody waits
             self._end(RuntimeError("closed"))
+        self._close_requests()
         if self._process is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._process.wait)
-        if self._thread is not None:
+        if self._thread is not None and not kill:  # (killed: it may be stuck in an fsync)
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         if self._replies >= 0:
             os.close(self._replies)
             self._replies = -1
+
+
+class _NoProcess(Exception):
+    """The syncer's process could not be started, or did not work: use a thread."""
 
 
 def _serve_on_thread(
