@@ -745,6 +745,21 @@ def _break_files(path: Path, how: str) -> None:
         other.replace(path)
 
 
+async def _refuses_everything(store: SqliteStore) -> None:
+    """Every request and the readiness check get 503 (the first and a later request)."""
+    with pytest.raises(ServiceUnavailable):
+        await store.ping()
+    for _ in range(2):
+        with pytest.raises(ServiceUnavailable, match="durable"):
+            await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+
+
+def _the_one_critical(caplog: pytest.LogCaptureFixture) -> str:
+    critical = [r.getMessage() for r in caplog.records if r.levelname == "CRITICAL"]
+    assert len(critical) == 1, critical
+    return critical[0]
+
+
 @pytest.mark.parametrize("how", ["database deleted", "wal deleted", "database replaced"])
 def test_a_store_whose_files_were_deleted_or_replaced_refuses_everything(
     tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
@@ -761,17 +776,13 @@ def test_a_store_whose_files_were_deleted_or_replaced_refuses_everything(
         first = await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
         assert isinstance(first.outcome, Granted)
         _break_files(path, how)
-        with pytest.raises(ServiceUnavailable):
-            await store.ping()  # idle: found by the readiness check
-        with pytest.raises(ServiceUnavailable, match="durable"):
-            await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        await _refuses_everything(store)  # idle: found first by the readiness check
         await store.close()
 
     with caplog.at_level(logging.CRITICAL, logger="leasekeeper.store.sqlite"):
         asyncio.run(main())
-    critical = [r.getMessage() for r in caplog.records if r.levelname == "CRITICAL"]
-    assert len(critical) == 1 and "deleted or replaced" in critical[0], critical
-    assert "fence --raise-to" in critical[0]
+    critical = _the_one_critical(caplog)
+    assert "deleted or replaced" in critical and "fence --raise-to" in critical
 
 
 @pytest.mark.parametrize("how", ["database deleted", "wal deleted"])
@@ -1145,33 +1156,48 @@ def test_a_store_whose_fsync_process_died_refuses_everything(
         store = SqliteStore(tmp_path / "k.db", FakeClock())
         await store.open()
         os.kill(_syncer_process(store), signal.SIGKILL)
-        with pytest.raises(ServiceUnavailable, match="durable"):
+        with pytest.raises(ServiceUnavailable, match="durable"):  # busy: found by a batch
             await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
-        with pytest.raises(ServiceUnavailable):
-            await store.ping()
-        with pytest.raises(ServiceUnavailable, match="durable"):
-            await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        await _refuses_everything(store)
         await store.close()
 
     with caplog.at_level(logging.CRITICAL, logger="leasekeeper.store.sqlite"):
         asyncio.run(main())
-    critical = [r.getMessage() for r in caplog.records if r.levelname == "CRITICAL"]
-    assert len(critical) == 1, critical
-    assert "the SQLite store's fsync process ended (exit status -9)" in critical[0]
+    assert "the SQLite store's fsync process ended (exit status -9)" in _the_one_critical(caplog)
 
 
-def test_where_no_process_can_be_started_the_wal_is_fsynced_on_a_thread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("how", "warning"),
+    [
+        ("cannot start", "no process started ([Errno 11] Resource temporarily unavailable)"),
+        (
+            "ends at once",  # a Python that cannot run the script, say
+            "its process ended before its first fsync (process ended (exit status 3))",
+        ),
+    ],
+)
+def test_where_no_syncer_process_works_the_wal_is_fsynced_on_a_thread(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    how: str,
+    warning: str,
 ) -> None:
-    """A store is not refused for want of a process (a limit on processes, say): its
-    fsync runs on a thread of the server instead, slower under load, and a warning
-    says so."""
+    """A store is not refused for want of a process (a limit on processes), nor for a
+    process that starts but ends before its first fsync: its fsync runs on a thread of
+    the server instead, slower under load, and a warning says why."""
     from leasekeeper.store import _sqlite
 
-    def refused(*args: Any, **kwargs: Any) -> Any:
-        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+    if how == "cannot start":
 
-    monkeypatch.setattr(_sqlite.subprocess, "Popen", refused)
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+        monkeypatch.setattr(_sqlite.subprocess, "Popen", refused)
+    else:
+        broken = tmp_path / "broken.py"
+        broken.write_text("import sys\nsys.exit(3)\n")
+        monkeypatch.setattr(_syncer, "__file__", str(broken))
 
     async def main() -> None:
         store = SqliteStore(tmp_path / "t.db", FakeClock())
@@ -1188,10 +1214,7 @@ def test_where_no_process_can_be_started_the_wal_is_fsynced_on_a_thread(
     with caplog.at_level(logging.WARNING, logger="leasekeeper.store.sqlite"):
         asyncio.run(main())
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert warnings == [
-        "the SQLite WAL is fsynced on a thread: no process started "
-        "([Errno 11] Resource temporarily unavailable)"
-    ]
+    assert warnings == [f"the SQLite WAL is fsynced on a thread: {warning}"]
 
 
 def test_a_store_whose_wal_cannot_be_fsynced_does_not_open(
@@ -1216,6 +1239,10 @@ def test_a_store_whose_wal_cannot_be_fsynced_does_not_open(
     names = [thread.name for thread in threading.enumerate()]
     assert not [name for name in names if name.startswith("leasekeeper-sqlite")], names
     assert set(os.listdir("/proc/self/fd")) <= before
+
+
+#: More batches than the syncer's read (64 KiB) and the pipe (64 KiB) hold together.
+_BEYOND_THE_PIPE = 150_000
 
 
 @pytest.mark.parametrize("close_while_owed", [False, True])
@@ -1244,14 +1271,14 @@ def test_batches_beyond_what_the_pipe_holds_are_all_answered(
             loop, wal, files, answered.append, failed, process=False, first_fsync_within=10
         )
         gate.armed.set()
-        for _ in range(70_000):
+        for _ in range(_BEYOND_THE_PIPE):  # one read of 64 KiB in the fsync, 64 KiB in the pipe
             syncer.request()
         assert syncer._owed > 0  # the pipe is full: the rest are owed
         closing = asyncio.ensure_future(syncer.close()) if close_while_owed else None
         await asyncio.sleep(0.05)
         gate.release.set()
         deadline = time.monotonic() + 30
-        while sum(answered) < 70_000 and not refused:
+        while sum(answered) < _BEYOND_THE_PIPE and not refused:
             assert time.monotonic() < deadline, f"{sum(answered)} answered"
             await asyncio.sleep(0.01)
         await (closing or syncer.close())
@@ -1259,7 +1286,7 @@ def test_batches_beyond_what_the_pipe_holds_are_all_answered(
 
     asyncio.run(main())
     assert refused == []
-    assert sum(answered) == 70_000
+    assert sum(answered) == _BEYOND_THE_PIPE
 
 
 def test_answers_then_a_failure_in_one_read_or_a_line_in_two_are_each_told_once(
@@ -1313,33 +1340,6 @@ def test_answers_then_a_failure_in_one_read_or_a_line_in_two_are_each_told_once(
     error = told[1][1]
     assert isinstance(error, OSError)
     assert (error.errno, error.strerror) == (5, "Input/output error")
-
-
-def test_a_syncer_process_that_does_not_work_leaves_the_fsync_to_a_thread(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A process that starts but ends before its first fsync (a Python that cannot run
-    the script, say) does not keep the store from opening: the fsync runs on a thread,
-    with a warning that says what became of the process."""
-    broken = tmp_path / "broken.py"
-    broken.write_text("import sys\nsys.exit(3)\n")
-    monkeypatch.setattr(_syncer, "__file__", str(broken))
-
-    async def main() -> None:
-        store = SqliteStore(tmp_path / "b.db", FakeClock())
-        await store.open()
-        assert store._syncer is not None and store._syncer.pid is None
-        decision = await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
-        assert isinstance(decision.outcome, Granted)
-        await store.close()
-
-    with caplog.at_level(logging.WARNING, logger="leasekeeper.store.sqlite"):
-        asyncio.run(main())
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert warnings == [
-        "the SQLite WAL is fsynced on a thread: its process ended before its first fsync "
-        "(process ended (exit status 3))"
-    ]
 
 
 def test_the_syncer_ends_when_its_server_is_killed(tmp_path: Path) -> None:

@@ -1005,27 +1005,25 @@ class _Syncer:
         first request. A process that cannot be started, or that ends or says nothing
         for ``first_fsync_within`` seconds before its first fsync (no working Python),
         leaves the fsync to a thread, with a warning."""
-        within = first_fsync_within
+
+        async def greeted(in_process: bool) -> _Syncer:
+            syncer = cls(loop, durable, failed)
+            await syncer._greet(wal, files, in_process, first_fsync_within)
+            return syncer
+
         if process:
             try:
-                return await cls._greeted(loop, wal, files, durable, failed, True, within)
+                return await greeted(True)
             except _NoProcess as exc:
                 log.warning("the SQLite WAL is fsynced on a thread: %s", exc)
-        return await cls._greeted(loop, wal, files, durable, failed, False, within)
+        return await greeted(False)
 
-    @classmethod
-    async def _greeted(
-        cls,
-        loop: asyncio.AbstractEventLoop,
-        wal: int,
-        files: list[tuple[str, tuple[int, int]]],
-        durable: Callable[[int], None],
-        failed: Callable[[Exception, str], None],
-        process: bool,
-        within: float,
-    ) -> _Syncer:
-        self = cls(loop, durable, failed)
-        first: asyncio.Future[tuple[Exception, str] | None] = loop.create_future()
+    async def _greet(
+        self, wal: int, files: list[tuple[str, tuple[int, int]]], process: bool, within: float
+    ) -> None:
+        """Connect, and wait for the first fsync; the callbacks are the store's after."""
+        durable, failed = self._durable, self._failed
+        first: asyncio.Future[tuple[Exception, str] | None] = self._loop.create_future()
 
         def greeted(count: int) -> None:
             if not first.done():
@@ -1060,7 +1058,6 @@ class _Syncer:
                 raise _NoProcess(f"its process ended before its first fsync ({error})")
             raise ServiceUnavailable(f"Cannot fsync the SQLite store's WAL: {error}")
         self._durable, self._failed = durable, failed
-        return self
 
     def _connect(self, wal: int, files: list[tuple[str, tuple[int, int]]], process: bool) -> None:
         """The pipes, then the process or thread at their other end, then our reader;
