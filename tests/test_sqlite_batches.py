@@ -1409,3 +1409,28 @@ def test_a_syncer_that_fails_to_start_leaves_no_process_nor_descriptor(tmp_path:
     asyncio.run(main())
     assert my_children() == []
     assert set(os.listdir("/proc/self/fd")) <= before
+
+
+def test_a_syncer_whose_store_went_away_mid_answer_exits_quietly(tmp_path: Path) -> None:
+    """The server killed while its syncer fsyncs: the answer meets a closed pipe. The
+    syncer exits with status 0 and writes no traceback to the server's log (stderr)."""
+    import subprocess
+    import sys
+
+    wal = os.open(tmp_path / "wal", os.O_RDWR | os.O_CREAT)
+    replies_read, replies_write = os.pipe()
+    os.close(replies_read)  # the store is gone before the answer
+    try:
+        syncer = subprocess.run(
+            [sys.executable, "-I", "-S", _syncer.__file__, str(wal)],
+            input=b".",
+            stdout=replies_write,
+            stderr=subprocess.PIPE,
+            pass_fds=(wal,),
+            timeout=30,
+            check=False,
+        )
+    finally:
+        os.close(replies_write)
+        os.close(wal)
+    assert (syncer.returncode, syncer.stderr) == (0, b"")
