@@ -22,8 +22,8 @@ ignores SIGINT, SIGTERM and SIGHUP, which a Ctrl-C or a service manager's stop s
 to every process of the group: the server, still answering its last requests, must
 keep its fsync until it closes the store.
 
-The module imports nothing but the standard library's ``os`` and ``signal``: the
-store runs this file with ``python -I -S``, which starts in about 10 ms
+The module imports only the standard library's ``os`` and ``signal`` (and ``sys``, run
+as a script): the store runs this file with ``python -I -S``, which starts in about 10 ms
 (``SqliteStore`` falls back to ``serve`` on a thread when no process can be started).
 """
 
