@@ -1434,3 +1434,87 @@ def test_a_syncer_whose_store_went_away_mid_answer_exits_quietly(tmp_path: Path)
         os.close(replies_write)
         os.close(wal)
     assert (syncer.returncode, syncer.stderr) == (0, b"")
+
+
+def test_a_syncer_process_that_says_nothing_is_killed_and_a_thread_fsyncs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process that neither answers nor ends (a Python stuck at its start) is given
+    the store's timeout for its first fsync, then killed and reaped; the fsync runs on
+    a thread, with a warning."""
+    silent = tmp_path / "silent.py"
+    silent.write_text(
+        "import os, sys, time\n"
+        "open(os.path.join(os.path.dirname(sys.argv[0]), 'pid'), 'w').write(str(os.getpid()))\n"
+        "time.sleep(60)\n"
+    )
+    monkeypatch.setattr(_syncer, "__file__", str(silent))
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "q.db", FakeClock(), timeout_seconds=0.5)
+        await store.open()
+        assert store._syncer is not None and store._syncer.pid is None
+        decision = await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        assert isinstance(decision.outcome, Granted)
+        await store.close()
+
+    with caplog.at_level(logging.WARNING, logger="leasekeeper.store.sqlite"):
+        asyncio.run(main())
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "the SQLite WAL is fsynced on a thread: its process said nothing within 0.5 s"
+    ]
+    assert _state(int((tmp_path / "pid").read_text())) is None  # killed, and reaped
+
+
+def test_no_thread_for_the_fsync_either_is_a_503_at_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A limit on processes usually limits threads too: with neither, the store does not
+    open, with a 503 that says why (not a traceback), and leaves no thread behind."""
+    from leasekeeper.store import _sqlite
+
+    def no_process(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    start = threading.Thread.start
+
+    def no_fsync_thread(self: threading.Thread) -> None:
+        if self.name == "leasekeeper-sqlite-fsync":
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(_sqlite.subprocess, "Popen", no_process)
+    monkeypatch.setattr(threading.Thread, "start", no_fsync_thread)
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "n.db", FakeClock())
+        with pytest.raises(ServiceUnavailable, match="can't start new thread"):
+            await store.open()
+
+    asyncio.run(main())
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("leasekeeper-sqlite")]
+
+
+def test_an_open_cancelled_while_it_connects_leaves_no_thread_behind(tmp_path: Path) -> None:
+    """A server stopped while it starts cancels the store's open(): the writer's thread,
+    still connecting, is stopped once it has, and closes the connection and files."""
+
+    def ours() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("leasekeeper-sqlite")]
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "c.db", FakeClock())
+        opening = asyncio.ensure_future(store.open())
+        await asyncio.sleep(0)  # the thread is started and connecting
+        assert ours()
+        opening.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+        deadline = time.monotonic() + 10
+        while ours():
+            assert time.monotonic() < deadline, f"left running: {ours()}"
+            await asyncio.sleep(0.01)
+        await store.close()
+
+    asyncio.run(main())

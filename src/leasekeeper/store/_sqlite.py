@@ -318,7 +318,13 @@ class SqliteStore:
                 daemon=True,
             )
             thread.start()
-            self._conn = await ready
+            try:
+                self._conn = await asyncio.shield(ready)
+            except asyncio.CancelledError:  # a server stopped while it starts, say
+                # The thread goes on connecting; once it has, it is told to stop (and
+                # closes what it opened), as it would be by close().
+                ready.add_done_callback(self._stop_once_connected)
+                raise
             try:
                 self._syncer = await _Syncer.start(
                     loop,
@@ -339,6 +345,10 @@ class SqliteStore:
             self._idle = asyncio.Event()
             self._idle.set()
             self._thread = thread
+
+    def _stop_once_connected(self, ready: asyncio.Future[sqlite3.Connection]) -> None:
+        if not ready.cancelled() and ready.exception() is None:
+            self._jobs.put(None)
 
     async def close(self) -> None:
         """Refuse new requests, answer every queued one, then stop the thread."""
@@ -1045,7 +1055,7 @@ class _Syncer:
             raise ServiceUnavailable(
                 f"Cannot fsync the SQLite store's WAL: no fsync within {within:g} s"
             ) from None
-        except OSError as exc:  # no descriptors left for its pipes, say
+        except (OSError, RuntimeError) as exc:  # no descriptors for its pipes, no threads
             await self.close(kill=True)
             raise ServiceUnavailable(f"Cannot start the SQLite store's fsync: {exc}") from None
         except BaseException:
@@ -1210,12 +1220,20 @@ class _Syncer:
             self._end(RuntimeError("closed"))
         self._close_requests()
         if self._process is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._process.wait)
+            # Killed, it may still be in an fsync that waits for a hung disk, where no
+            # signal reaches it: not waited for long (subprocess reaps it later).
+            wait = functools.partial(self._process.wait, _KILLED_WAIT if kill else None)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.get_running_loop().run_in_executor(None, wait)
         if self._thread is not None and not kill:  # (killed: it may be stuck in an fsync)
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         if self._replies >= 0:
             os.close(self._replies)
             self._replies = -1
+
+
+#: How long ``_Syncer.close(kill=True)`` waits for its killed process, in seconds.
+_KILLED_WAIT = 1.0
 
 
 class _NoProcess(Exception):
