@@ -611,12 +611,11 @@ class SqliteStore:
     def _make_durable(self, results: _Results) -> None:
         """On the event loop: have the syncer fsync the WAL, then answer ``results``
         (a batch just committed: one fsync covers every COMMIT made before it)."""
-        if self._failed is not None or self._syncer is None:
-            for op, _ in results:
-                settle(op.future, _not_durable())
-            return
         self._unsynced.append(results)
-        self._syncer.request()
+        if self._failed is not None or self._syncer is None:
+            self._fail_unsynced()
+        else:
+            self._syncer.request()
 
     def _synced(self, batches: int) -> None:
         """On the event loop: the syncer made the oldest ``batches`` batches durable."""
@@ -1154,7 +1153,7 @@ class _Syncer:
     def _answer(self, synced: int) -> None:
         if self._owed:
             owed, self._owed = self._owed, 0
-            while owed and not self._tail:
+            while owed:  # (answers come only while no failure line has begun)
                 try:
                     owed -= os.write(self._requests, _syncer.BATCH * owed)
                 except BlockingIOError:
