@@ -3,8 +3,8 @@
 The HTTP API, the MCP tools (over streamable HTTP and over stdio) and the command
 line are driven through one fixed script each; every answer is compared with
 ``tests/golden/conversation.json``. Only what differs from run to run by design is
-normalized: secrets (``ns_…``, ``own_…``), times, request ids, ``Date`` headers and
-``Content-Length`` where it counts a normalized body. A change to what a client sees
+normalized: secrets (``ns_…``, ``own_…``), times and waits, request ids, ``Date``
+headers and ``Content-Length`` where it counts a normalized body. A change to what a client sees
 fails here; a deliberate one re-records the file with ``LEASEKEEPER_RECORD_GOLDEN=1``
 and the diff of that file is the review of the change.
 """
@@ -45,6 +45,9 @@ class Normalizer:
         (re.compile(r"(?im)^(date|x-request-id): [^\r\n]*"), r"\1: <varies>"),
         (re.compile(r"\"request_id\":\s*\"[0-9a-f]+\""), '"request_id":"<varies>"'),
         (re.compile(r"leasekeeper \d+\.\d+\.\d+\S*"), "leasekeeper <version>"),
+        # The wait left shrinks while a loaded machine starts the next process.
+        (re.compile(r"(retry_after_seconds[\\\"]*\s*:\s*)\d+"), r"\1<s>"),
+        (re.compile(r"(?im)^(retry-after): \d+"), r"\1: <s>"),
     )
 
     def __init__(self) -> None:
