@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # PostgreSQL tests are required, locally they skip with a reason when it is down.
 export LEASEKEEPER_TEST_POSTGRES_URL ?= postgresql://postgres@127.0.0.1:5432/test
 
-.PHONY: serve test check lint typecheck pytest bench soak clean
+.PHONY: serve test check lint typecheck docs pytest bench soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,16 +18,21 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)  ## run the server on the embedded SQLite store (./leasekeeper.db)
 	$(BIN)/leasekeeper serve
 
-test: check pytest  ## the whole suite: lint, types, tests
+test: check docs pytest  ## the whole suite: lint, types, the docs build, tests
 
 check: lint typecheck
 
+LINTED := src tests examples scripts $(wildcard bench)
+
 lint: $(STAMP)
-	$(BIN)/ruff check src tests $(wildcard bench)
-	$(BIN)/ruff format --check src tests $(wildcard bench)
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+
+docs: $(STAMP)  ## the documentation site in site/; a warning (a broken link, a page outside the nav) fails
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 pytest: $(STAMP)
 	$(BIN)/pytest -q -p no:cacheprovider
@@ -40,4 +45,4 @@ soak: $(STAMP)  ## long fault and contention runs (minutes)
 	LEASEKEEPER_SOAK=1 $(BIN)/pytest -q -p no:cacheprovider -m soak -s tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -35,10 +35,10 @@ def test_implementation_modules_are_private() -> None:
 def test_a_users_code_is_type_checked_against_the_package(tmp_path: Path) -> None:
     """The package ships ``py.typed`` (PEP 561): mypy in a user's project reads
     leasekeeper's annotations instead of refusing it as an untyped library, catches a
-    wrong call to the client, and finds nothing wrong in the README's Python examples
+    wrong call to the client, and finds nothing wrong in the Python client page's examples
     (run as one module, as they are written: later ones use the first one's names)."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
-    examples = re.findall(r"```python\n(.*?)```", readme, re.DOTALL)
+    page = Path(__file__).resolve().parent.parent / "docs" / "python-client.md"
+    examples = re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.DOTALL)
     assert len(examples) >= 4
     (tmp_path / "readme_examples.py").write_text("\n".join(examples))
     (tmp_path / "job.py").write_text(

@@ -1,4 +1,4 @@
-"""End to end with a real ``leasekeeper serve``: many processes, the lifecycle end, the README.
+"""End to end with a real ``leasekeeper serve``: many processes, the lifecycle end.
 
 These start subprocesses (the server on a free 127.0.0.1 port, the CLI) and
 take seconds, so they are marked slow.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -25,8 +24,6 @@ import pytest
 pytestmark = pytest.mark.slow
 
 LEASEKEEPER = str(Path(sys.executable).parent / "leasekeeper")
-README = Path(__file__).resolve().parent.parent / "README.md"
-README_URL = "http://127.0.0.1:8787"
 
 
 def free_port() -> int:
@@ -286,53 +283,3 @@ def test_a_command_stopping_after_the_loss_gets_no_second_sigterm(
         "killed with SIGKILL after the grace period"
     )
     assert ticks.read_text().splitlines() == ["ready", "term"]
-
-
-def readme_blocks(section: str, language: str) -> list[str]:
-    text = README.read_text(encoding="utf-8")
-    start = text.index(f"<!-- section: {section} (issue 5) -->")
-    end = text.index("<!-- section:", start + 1)
-    return re.findall(rf"```{language}\n(.*?)```", text[start:end], re.DOTALL)
-
-
-def test_readme_python_examples_run(
-    server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The README's Python blocks run as written (only the server URL is replaced)."""
-    blocks = readme_blocks("client", "python")
-    assert len(blocks) == 4
-    monkeypatch.chdir(tmp_path)
-    scope: dict[str, Any] = {"__name__": "readme"}
-    for block in blocks:
-        assert README_URL in block or "LeaseClient(" not in block
-        exec(compile(block.replace(README_URL, server), "README.md", "exec"), scope)  # noqa: S102
-    assert scope["receipt"]["receipt_id"] == 4817
-    rows = scope["db"].execute("SELECT status FROM invoices WHERE id = 4817").fetchall()
-    assert rows == [("paid",)]
-    assert scope["guard"].current("invoice:4817") is not None
-    scope["db"].close()
-    scope["client"].close()
-
-
-def test_readme_shell_example_runs(server: str, tmp_path: Path) -> None:
-    """The README's shell block runs under bash -e; the report job runs once."""
-    (block,) = readme_blocks("cli", "sh")
-    assert README_URL in block
-    script = tmp_path / "example.sh"
-    script.write_text(block.replace(README_URL, server))
-    report = tmp_path / "make-report.sh"
-    report.write_text("#!/bin/sh\necho report >> reports.log\n")
-    report.chmod(0o755)
-    done = subprocess.run(
-        ["bash", "-euo", "pipefail", str(script)],
-        cwd=tmp_path,
-        env=cli_env(server),
-        capture_output=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    assert (tmp_path / "reports.log").read_text() == "report\n"
-    skipped = orjson.loads(done.stdout.splitlines()[-1])
-    assert skipped["skipped"] is True
-    assert (tmp_path / "ns.json").stat().st_mode & 0o077 == 0  # umask 077
-    assert orjson.loads((tmp_path / "lease.json").read_text())["status"] == "held"

@@ -1618,18 +1618,3 @@ def test_an_accept_without_json_is_406_with_a_sentence(app_with_mcp: TestClient,
     response = app_with_mcp.post("/mcp", json=message, headers=headers)
     assert response.status_code == 406
     assert "Not Acceptable: Client must accept application/json" in response.text
-
-
-def test_the_readme_stdio_example_runs_as_written() -> None:
-    """The README's piped stdio calls, with and without a handshake, each mint a namespace."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("<!-- section: mcp") :]
-    (block,) = re.findall(r"```sh\n(printf .*?)```", section, re.DOTALL)
-    bin_dir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run(["sh", "-c", block], env=env, capture_output=True, timeout=60, check=True)
-    answers = [json.loads(line) for line in done.stdout.decode().splitlines()]
-    assert [answer["id"] for answer in answers] == [0, 1, 1]
-    for answer in answers[1:]:
-        minted = answer["result"]["structuredContent"]
-        assert minted["ok"] is True and minted["namespace"].startswith("ns_")

@@ -1,33 +1,9 @@
 """Settings: read once from an environment mapping at start, then passed down.
 
-Every variable is optional. A value that does not parse is an error naming the
-variable, raised at start rather than at the first request.
-
-=====================================  ===========================  ==============
-variable                               meaning                      default
-=====================================  ===========================  ==============
-LEASEKEEPER_STORE                      store URL                    sqlite:///./leasekeeper.db
-LEASEKEEPER_HOST / LEASEKEEPER_PORT    listen address               127.0.0.1 / 8787
-LEASEKEEPER_LIFECYCLE_SECONDS          length of a key's lifecycle  86400
-LEASEKEEPER_CLEANUP_INTERVAL_SECONDS   pause between cleanups       3600
-LEASEKEEPER_CLEANUP_BATCH              records per cleanup batch    200
-LEASEKEEPER_STORE_TIMEOUT_SECONDS      longest wait for the store   5
-LEASEKEEPER_POSTGRES_POOL_SIZE         most connections one         10
-                                       instance opens (PostgreSQL)
-LEASEKEEPER_MAX_BODY_BYTES             request body limit           65536
-LEASEKEEPER_MAX_CONNECTIONS            concurrent connections       1000
-LEASEKEEPER_REQUEST_TIMEOUT_SECONDS    time to send headers, and    10
-                                       again to send the body
-LEASEKEEPER_KEEP_ALIVE_SECONDS         idle time between requests   30
-LEASEKEEPER_NAMESPACE_RATE             mints per second per address 10
-LEASEKEEPER_NAMESPACE_BURST            mint burst per address       100
-LEASEKEEPER_ADDRESS_RATE / _BURST      requests/s per address       0 (off) / 1000
-LEASEKEEPER_NAMESPACE_REQUEST_RATE     requests/s per namespace     0 (off)
-LEASEKEEPER_NAMESPACE_REQUEST_BURST    burst per namespace          1000
-LEASEKEEPER_LIVE_LEASES_INTERVAL_SECONDS
-                                       period of the live count     15 (0 = off)
-LEASEKEEPER_LOG_LEVEL                  logging level                INFO
-=====================================  ===========================  ==============
+Every variable is optional: ``LEASEKEEPER_`` + the field's name in capitals. A value
+that does not parse is an error naming the variable, raised at start rather than at
+the first request. Each field's docstring says what it sets; the documentation's
+table of settings (docs/operations.md) is rendered from them and the defaults here.
 """
 
 from __future__ import annotations
@@ -76,25 +52,58 @@ class Settings:
     """Everything configurable, with the spec's defaults."""
 
     store: str = "sqlite:///./leasekeeper.db"
+    """Where leases are kept: ``sqlite:///relative.db``, ``sqlite:////absolute.db``,
+    ``postgresql://…`` (or ``postgres://``) for several instances on one database, or
+    ``memory://``, which writes nothing down (for tests and trials). Refused: a SQLite URL with
+    a host (``sqlite://data/x.db``), a query or a fragment; anything after ``memory://``; a
+    PostgreSQL user name or password holding ``@``, ``/`` or ``#`` unencoded."""
     host: str = "127.0.0.1"
+    """The address ``serve`` listens on; ``0.0.0.0`` for every interface (an empty value is
+    refused)."""
     port: int = 8787
+    """The TCP port ``serve`` listens on, 1 to 65535."""
     lifecycle_seconds: int = 86_400
+    """Length of a key's lifecycle from its first acquire: its fingerprint binding and its result
+    last this long. At most 315360000 (10 years)."""
     cleanup_interval_seconds: float = 3600.0
+    """Pause between two cleanups of finished records in ``serve`` and ``mcp``; the first runs at
+    a random point of the first interval."""
     cleanup_batch: int = 200
+    """Records per cleanup batch: deleted at most (on SQLite: looked at). At most 100000."""
     store_timeout_seconds: float = 5.0
+    """Longest wait for the store (a connection, a statement, opening it) before a request is
+    answered 503. At most 32767."""
     postgres_pool_size: int = 10
+    """The most connections one instance opens to PostgreSQL; SQLite and memory ignore it."""
     max_body_bytes: int = 65_536
+    """Largest request body, on the API and ``/mcp`` (and the longest line ``leasekeeper mcp``
+    reads); past it 413."""
     max_connections: int = 1000
+    """Concurrent connections, and so requests in flight; past it a new request gets a JSON 503."""
     request_timeout_seconds: float = 10.0
+    """Time a client has to send a request's headers, and again its body; past it 408 and the
+    connection is closed."""
     keep_alive_seconds: int = 30
+    """Idle time before a kept-alive connection is closed."""
     namespace_rate: float = 10.0
+    """Namespace mints per second per client address, over HTTP and ``/mcp`` together (0 = off)."""
     namespace_burst: int = 100
+    """Mints one client address may make at once before ``LEASEKEEPER_NAMESPACE_RATE`` applies."""
     address_rate: float = 0.0
+    """Requests per second per client address, API routes and ``/mcp`` tool calls together (0 =
+    off)."""
     address_burst: int = 1000
+    """Requests one client address may make at once before ``LEASEKEEPER_ADDRESS_RATE`` applies."""
     namespace_request_rate: float = 0.0
+    """Requests per second per namespace, API routes and ``/mcp`` tool calls together (0 = off)."""
     namespace_request_burst: int = 1000
+    """Requests one namespace may take at once before
+    ``LEASEKEEPER_NAMESPACE_REQUEST_RATE`` applies."""
     live_leases_interval_seconds: float = 15.0
+    """How often the store counts live leases for the ``leasekeeper_live_leases`` metric (0 =
+    never)."""
     log_level: str = "INFO"
+    """``DEBUG``, ``INFO``, ``WARNING``, ``ERROR`` or ``CRITICAL``."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

@@ -1,0 +1,86 @@
+"""mkdocs hooks: parts of the documentation rendered from the code they describe.
+
+``<!-- settings-table -->`` in a page becomes the table of every setting, built from
+``leasekeeper.Settings``: the variable from the field's name, the default from the
+field, the meaning from the field's docstring, and the flag from the ``leasekeeper``
+commands that take one. A field without a docstring fails the build.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import itertools
+import re
+import textwrap
+from importlib.metadata import entry_points
+from typing import Any
+
+import click
+
+import leasekeeper
+
+SETTINGS_MARKER = "<!-- settings-table -->"
+_PREFIX = "LEASEKEEPER_"
+
+
+def on_page_markdown(markdown: str, **_: Any) -> str:
+    """mkdocs' hook: replace the settings marker with the table."""
+    if SETTINGS_MARKER in markdown:
+        markdown = markdown.replace(SETTINGS_MARKER, settings_table())
+    return markdown
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each annotated field's docstring (the string literal right after it), by name."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for field, after in itertools.pairwise(body):
+        if (
+            isinstance(field, ast.AnnAssign)
+            and isinstance(field.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[field.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _flags() -> dict[str, list[str]]:
+    """For each setting with a command-line flag, ``--flag`` and the commands taking it."""
+    (script,) = (ep for ep in entry_points(group="console_scripts") if ep.name == "leasekeeper")
+    main = script.load()
+    found: dict[str, list[str]] = {}
+    for name, command in sorted(main.commands.items()):
+        for param in command.params:
+            if isinstance(param, click.Option) and param.name:
+                found.setdefault(param.name, []).append(name)
+    return found
+
+
+def _default(value: object) -> str:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return f"`{value}`"
+
+
+def settings_table() -> str:
+    """The markdown table of every field of ``leasekeeper.Settings``."""
+    docs = field_docs(leasekeeper.Settings)
+    flags = _flags()
+    rows = [
+        "| variable | flag | default | meaning |",
+        "|---|---|---|---|",
+    ]
+    for field in dataclasses.fields(leasekeeper.Settings):
+        if field.name not in docs:
+            raise ValueError(f"Settings.{field.name} has no docstring to document it")
+        meaning = re.sub(r"``(.+?)``", r"`\1`", docs[field.name])
+        commands = flags.get(field.name, [])
+        flag = f"`--{field.name.replace('_', '-')}` ({', '.join(commands)})" if commands else ""
+        variable = f"`{_PREFIX}{field.name.upper()}`"
+        rows.append(f"| {variable} | {flag} | {_default(field.default)} | {meaning} |")
+    return "\n".join(rows)
