@@ -556,7 +556,13 @@ def status_line(status: int) -> str:
     return f"{status} {_phrase(status)}"
 
 
+#: RFC 9110's names, which Python's ``HTTPStatus`` has only from 3.13.
+_PHRASES = {413: "Content Too Large", 422: "Unprocessable Content"}
+
+
 def _phrase(status: int) -> str:
+    if status in _PHRASES:
+        return _PHRASES[status]
     try:
         return HTTPStatus(status).phrase
     except ValueError:
