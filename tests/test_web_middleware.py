@@ -22,12 +22,13 @@ from starlette.testclient import TestClient
 
 from leasekeeper import (
     AsyncLeaseClient,
+    FakeClock,
     IdempotencyMiddleware,
     LeaseClient,
     WSGIIdempotencyMiddleware,
 )
 from leasekeeper.web import RequestLease
-from tests.client_fakes import BASE_URL, bridge
+from tests.client_fakes import BASE_URL, FakeTime, bridge
 from tests.conftest import Api
 from tests.web_apps import BIG_CHUNK, BINARY, Shop, flask_app, starlette_app
 
@@ -76,9 +77,14 @@ def _content(body: Any) -> bytes:
 
 
 class AsgiSite:
-    def __init__(self, api: Api, ns: str, fault: Fault | None, options: dict[str, Any]) -> None:
+    def __init__(
+        self, api: Api, ns: str, fault: Fault | None, time: FakeTime | None, options: dict[str, Any]
+    ) -> None:
         self.shop = Shop()
-        client = AsyncLeaseClient(BASE_URL, transport=bridge(api, fault))
+        timing: dict[str, Any] = {}
+        if time is not None:
+            timing = {"monotonic": time.monotonic, "signal_factory": time.signal}
+        client = AsyncLeaseClient(BASE_URL, transport=bridge(api, fault), **timing)
         self.middleware = IdempotencyMiddleware(
             starlette_app(self.shop), client, namespace=ns, **options
         )
@@ -98,10 +104,15 @@ class AsgiSite:
 
 
 class WsgiSite:
-    def __init__(self, api: Api, ns: str, fault: Fault | None, options: dict[str, Any]) -> None:
+    def __init__(
+        self, api: Api, ns: str, fault: Fault | None, time: FakeTime | None, options: dict[str, Any]
+    ) -> None:
         self.shop = Shop()
         app = flask_app(self.shop)
-        client = LeaseClient(BASE_URL, transport=bridge(api, fault))
+        timing: dict[str, Any] = {}
+        if time is not None:
+            timing = {"monotonic": time.monotonic, "event_factory": time.event}
+        client = LeaseClient(BASE_URL, transport=bridge(api, fault), **timing)
         self.middleware = WSGIIdempotencyMiddleware(app.wsgi_app, client, namespace=ns, **options)
         app.wsgi_app = self.middleware  # type: ignore[method-assign]
         self.client: FlaskClient = app.test_client()
@@ -126,12 +137,13 @@ MakeSite = Callable[..., Site]
 
 @pytest.fixture(params=["asgi", "wsgi"])
 def make_site(request: pytest.FixtureRequest, api: Api, ns: str) -> Iterator[MakeSite]:
-    """``make_site(fault=None, **options)``: the shop behind the middleware of this run."""
+    """``make_site(fault=None, time=None, **options)``: the shop behind the middleware of
+    this run; with ``time`` (a ``FakeTime``) its lease client waits on fake time."""
     made: list[AsgiSite | WsgiSite] = []
 
-    def make(fault: Fault | None = None, **options: Any) -> Site:
+    def make(fault: Fault | None = None, time: FakeTime | None = None, **options: Any) -> Site:
         kind = AsgiSite if request.param == "asgi" else WsgiSite
-        site = kind(api, ns, fault, options)
+        site = kind(api, ns, fault, time, options)
         made.append(site)
         return site
 
@@ -374,11 +386,12 @@ def test_a_completion_refused_as_lost_still_answers_and_logs_the_fence_not_the_k
 
 
 def test_a_lease_lost_to_failed_renewals_is_seen_by_the_handler(
-    make_site: MakeSite, caplog: pytest.LogCaptureFixture
+    make_site: MakeSite, clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Renewals answered lost: the handler's RequestLease says so, its response still goes
-    out, and its completion is refused as lost (logged with the fence)."""
-    site = make_site(ttl=1, fault=answer("/lease/renew", 409, LOST))
+    out, and its completion is refused as lost (logged with the fence). The renewal's wait
+    passes on fake time, at once."""
+    site = make_site(time=FakeTime(clock), fault=answer("/lease/renew", 409, LOST))
     with caplog.at_level(logging.WARNING):
         first = site.post("/lost")
     assert first.status == 201 and first.json() == {"lost": True}
@@ -392,7 +405,6 @@ def test_a_completion_that_gets_no_answer_is_tried_again(
 ) -> None:
     """A complete whose answer is lost (it was stored) is tried again, found to be this
     owner's own, and the retry of the request is a replay."""
-    monkeypatch.setattr("leasekeeper.web._idempotency.COMPLETE_RETRY_DELAYS", (0.0,))
     monkeypatch.setattr("leasekeeper.web._asgi.COMPLETE_RETRY_DELAYS", (0.0,))
     monkeypatch.setattr("leasekeeper.web._wsgi.COMPLETE_RETRY_DELAYS", (0.0,))
     inner = bridge(api)
