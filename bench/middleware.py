@@ -110,7 +110,7 @@ def start_app(kind: str, leasekeeper_url: str, namespace: str, workdir: Path) ->
 
 def serve(kind: str, port: int, leasekeeper_url: str, namespace: str) -> None:
     """Serve the benchmark's app of ``kind`` until killed."""
-    guarded = {"namespace": namespace, "paths": ["/guarded/*"]}
+    paths = ["/guarded/*"]
     if kind == "asgi":
         import uvicorn
         from starlette.applications import Starlette
@@ -128,7 +128,9 @@ def serve(kind: str, port: int, leasekeeper_url: str, namespace: str) -> None:
         routes = [
             Route(p, order, methods=["GET", "POST"]) for p in ("/plain/orders", "/guarded/orders")
         ]
-        app = IdempotencyMiddleware(Starlette(routes=routes), leasekeeper_url, **guarded)
+        app = IdempotencyMiddleware(
+            Starlette(routes=routes), leasekeeper_url, namespace=namespace, paths=paths
+        )
         uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
         return
     from flask import Flask, request
@@ -145,7 +147,9 @@ def serve(kind: str, port: int, leasekeeper_url: str, namespace: str) -> None:
 
     for path in ("/plain/orders", "/guarded/orders"):
         flask.add_url_rule(path, path, flask_order, methods=["GET", "POST"])
-    flask.wsgi_app = WSGIIdempotencyMiddleware(flask.wsgi_app, leasekeeper_url, **guarded)  # type: ignore[method-assign]
+    flask.wsgi_app = WSGIIdempotencyMiddleware(  # type: ignore[method-assign]
+        flask.wsgi_app, leasekeeper_url, namespace=namespace, paths=paths
+    )
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
     make_server("127.0.0.1", port, flask, threaded=True).serve_forever()
 

@@ -14,8 +14,8 @@ import sys
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import ExitStack
-from types import TracebackType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from leasekeeper import LeaseError, LeaseLost, PayloadTooLarge
 from leasekeeper.client import HeldLease, LeaseClient
@@ -44,22 +44,16 @@ from leasekeeper.web._idempotency import (
     unreadable,
 )
 
+if TYPE_CHECKING:
+    from _typeshed import OptExcInfo
+
 __all__ = ["WSGIIdempotencyMiddleware"]
 
 log = logging.getLogger("leasekeeper.web")
 
-Environ = dict[str, Any]
-ExcInfo = tuple[type[BaseException], BaseException, TracebackType | None]
+Environ = WSGIEnvironment
+WSGIApp = WSGIApplication
 Write = Callable[[bytes], object]
-
-
-class StartResponse(Protocol):
-    def __call__(
-        self, status: str, headers: list[tuple[str, str]], exc_info: ExcInfo | None = ..., /
-    ) -> Write: ...
-
-
-WSGIApp = Callable[[Environ, StartResponse], Iterable[bytes]]
 
 #: Where the app finds its ``RequestLease`` (Flask: ``request.environ["leasekeeper.lease"]``).
 ENVIRON_KEY = "leasekeeper.lease"
@@ -291,7 +285,7 @@ class _Exchange:
         return [body]
 
     def _start(
-        self, status: str, headers: list[tuple[str, str]], exc_info: ExcInfo | None = None
+        self, status: str, headers: list[tuple[str, str]], exc_info: OptExcInfo | None = None
     ) -> Write:
         if self._write is not None:  # sent already: the server raises exc_info, as it must
             return self._start_response(status, headers, exc_info)
