@@ -276,6 +276,16 @@ def test_a_binary_body_is_replayed_byte_for_byte(make_site: MakeSite) -> None:
     assert retry.header("content-type") == first.header("content-type")
 
 
+def test_a_204_is_replayed_without_a_body_or_a_length(make_site: MakeSite) -> None:
+    site = make_site()
+    first = site.post("/nothing")
+    retry = site.post("/nothing")
+    assert (first.status, retry.status) == (204, 204) and retry.replayed()
+    assert retry.body == b"" and retry.header("content-length") is None
+    assert retry.header("etag") == '"none"'
+    assert site.shop.calls["nothing"] == 1
+
+
 # -- which requests are guarded -------------------------------------------------------------------
 
 

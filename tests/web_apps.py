@@ -3,8 +3,8 @@
 Routes (both apps): ``POST /orders`` (201, JSON, ``Location``, a ``Set-Cookie``; waits
 while ``shop.gate`` is closed, then ``shop.hold`` seconds, then checks its lease),
 ``POST /crash`` (raises the first time), ``POST /fail`` (500), ``POST /big`` (40,000
-bytes in four chunks), ``POST /binary``, ``POST /lost`` (answers once its lease is
-lost), ``GET /orders``. ``shop.calls`` counts the handler runs per route.
+bytes in four chunks), ``POST /binary``, ``POST /nothing`` (204), ``POST /lost``
+(answers once its lease is lost), ``GET /orders``. ``shop.calls`` counts the handler runs per route.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from flask import Flask, Response, request
+from flask import Flask, request
+from flask import Response as FlaskResponse
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from leasekeeper import LeaseLost
@@ -107,6 +108,10 @@ def starlette_app(shop: Shop) -> Starlette:
         shop.run("binary", lease_of(req))
         return PlainTextResponse(BINARY, media_type="application/octet-stream")
 
+    async def nothing(req: Request) -> Response:
+        shop.run("nothing", lease_of(req))
+        return Response(status_code=204, headers={"etag": '"none"'})
+
     async def lost(req: Request) -> JSONResponse:
         lease = lease_of(req)
         shop.run("lost", lease)
@@ -125,6 +130,7 @@ def starlette_app(shop: Shop) -> Starlette:
             Route("/big", big, methods=["POST"]),
             Route("/binary", binary, methods=["POST"]),
             Route("/lost", lost, methods=["POST"]),
+            Route("/nothing", nothing, methods=["POST"]),
         ]
     )
 
@@ -170,12 +176,17 @@ def flask_app(shop: Shop) -> Flask:
             for _ in range(4):
                 yield BIG_CHUNK
 
-        return Response(chunks(), mimetype="text/plain", headers={"etag": '"big"'})
+        return FlaskResponse(chunks(), mimetype="text/plain", headers={"etag": '"big"'})
 
     @app.post("/binary")
     def binary() -> Any:
         shop.run("binary", lease_of())
-        return Response(BINARY, mimetype="application/octet-stream")
+        return FlaskResponse(BINARY, mimetype="application/octet-stream")
+
+    @app.post("/nothing")
+    def nothing() -> Any:
+        shop.run("nothing", lease_of())
+        return FlaskResponse(status=204, headers={"etag": '"none"'})
 
     @app.post("/lost")
     def lost() -> Any:

@@ -278,8 +278,7 @@ def _replay(policy: Policy, result: Any) -> Reply:
 
 
 async def _send_reply(send: Send, reply: Reply) -> None:
-    headers = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in reply.headers]
-    headers.append((b"content-length", str(len(reply.body)).encode("ascii")))
+    headers = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in reply.framed_headers()]
     await send({"type": "http.response.start", "status": reply.status, "headers": headers})
     await send({"type": "http.response.body", "body": reply.body})
 

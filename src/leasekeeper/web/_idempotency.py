@@ -171,6 +171,13 @@ class Reply:
     headers: list[tuple[str, str]]
     body: bytes
 
+    def framed_headers(self) -> list[tuple[str, str]]:
+        """``headers`` and the body's ``content-length``, which a 204 or 304 must not
+        have (RFC 9110 8.6)."""
+        if self.status in (204, 304):
+            return self.headers
+        return [*self.headers, ("content-length", str(len(self.body)))]
+
 
 class UnreadableResult(ValueError):
     """The stored result is not a response this middleware stored."""

@@ -237,9 +237,7 @@ def _replay(policy: Policy, result: Any) -> Reply:
 
 
 def _reply(start_response: StartResponse, reply: Reply) -> list[bytes]:
-    start_response(
-        status_line(reply.status), [*reply.headers, ("content-length", str(len(reply.body)))]
-    )
+    start_response(status_line(reply.status), reply.framed_headers())
     return [reply.body]
 
 
