@@ -5,22 +5,23 @@ one app per kind: a Starlette app under uvicorn (``IdempotencyMiddleware``) and 
 Flask app under werkzeug's threaded server (``WSGIIdempotencyMiddleware``). Each app
 serves one handler (a 201 with a small JSON body) at two paths: ``/plain/orders``,
 which the middleware does not guard (``paths=["/guarded/*"]``), and
-``/guarded/orders``. Over one keep-alive connection, requests go one at a time, in
-rounds of four, so that a busy machine slows every kind alike:
+``/guarded/orders``. Over one keep-alive connection per app, requests go one at a
+time, in rounds that visit both apps, so that a busy machine slows every figure alike:
 
 - ``unguarded``: ``/plain/orders``, with an ``Idempotency-Key`` (the header lookup),
 - ``first``: ``/guarded/orders`` with a new key (leasekeeper's acquire and complete),
 - ``replay``: ``/guarded/orders`` with a key already completed (one acquire),
-- ``lease``: for scale, the acquire and complete a guarded request makes, sent
-  straight to leasekeeper by ``LeaseClient``.
 
-It prints the median, 90th and 99th percentile latency of each, and what ``first`` and
-``replay`` add to ``unguarded`` at the median. A few seconds per kind and 500 rounds.
+and, once a round, ``lease``: for scale, the acquire and complete a first request
+makes, sent straight to leasekeeper by ``LeaseClient``. It prints the median, 90th
+and 99th percentile latency of each, and what ``first`` and ``replay`` add to
+``unguarded`` at the median. 500 rounds take about a minute.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import statistics
@@ -37,7 +38,9 @@ import httpx
 from bench._procs import Process, free_port, start, start_leasekeeper
 
 KINDS = ("asgi", "wsgi")
-MEASURES = ("unguarded", "first", "replay", "lease")
+MEASURES = ("unguarded", "first", "replay")
+#: The row of the straight leasekeeper calls, beside the kinds.
+LEASE = "lease"
 
 
 def summary(samples: list[float]) -> dict[str, float]:
@@ -51,53 +54,77 @@ def summary(samples: list[float]) -> dict[str, float]:
 
 
 def report(results: dict[str, dict[str, dict[str, float]]]) -> str:
-    """The table: one row per kind and measure, and the added latency at the median."""
+    """The table: one row per kind and measure, the added latency at the median, and the
+    straight leasekeeper calls."""
     lines = [f"{'kind':<6}{'measure':<11}{'median ms':>10}{'p90 ms':>9}{'p99 ms':>9}"]
+
+    def row(kind: str, name: str, s: dict[str, float]) -> str:
+        return f"{kind:<6}{name:<11}{s['median']:>10.2f}{s['p90']:>9.2f}{s['p99']:>9.2f}"
+
     for kind, measures in results.items():
-        for name in MEASURES:
-            s = measures[name]
-            lines.append(f"{kind:<6}{name:<11}{s['median']:>10.2f}{s['p90']:>9.2f}{s['p99']:>9.2f}")
+        if kind == LEASE:
+            continue
+        lines.extend(row(kind, name, measures[name]) for name in MEASURES)
         base = measures["unguarded"]["median"]
         lines.append(
             f"{kind:<6}added: first {measures['first']['median'] - base:+.2f} ms, "
             f"replay {measures['replay']['median'] - base:+.2f} ms (medians)"
         )
+    if LEASE in results:
+        lines.append(row("-", "lease", results[LEASE][LEASE]))
     return "\n".join(lines)
 
 
-def measure(app_url: str, leasekeeper_url: str, namespace: str, rounds: int) -> dict[str, Any]:
-    """Time ``rounds`` rounds of the four measures against one app; 50 rounds warm up."""
+def measure(
+    apps: dict[str, str], leasekeeper_url: str, namespace: str, rounds: int
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Time ``rounds`` rounds of every measure on every app (``{kind: url}``), and of the
+    straight leasekeeper calls; 50 rounds warm up first."""
     from leasekeeper import LeaseClient
 
-    samples: dict[str, list[float]] = {name: [] for name in MEASURES}
+    samples: dict[str, dict[str, list[float]]] = {k: {n: [] for n in MEASURES} for k in apps}
+    samples[LEASE] = {LEASE: []}
     body = json.dumps({"amount": 500}).encode()
-    headers = {"content-type": "application/json"}
-    with httpx.Client(base_url=app_url, timeout=30) as app, LeaseClient(leasekeeper_url) as lk:
-        replay_key = str(uuid.uuid4())
+    clients = {kind: httpx.Client(base_url=url, timeout=30) for kind, url in apps.items()}
+    replay_key = str(uuid.uuid4())
 
-        def post(path: str, key: str) -> None:
-            answer = app.post(path, content=body, headers={**headers, "idempotency-key": key})
-            if answer.status_code != 201:
-                raise RuntimeError(f"{path} answered {answer.status_code}: {answer.text[:200]}")
+    def post(kind: str, path: str, key: str) -> None:
+        headers = {"content-type": "application/json", "idempotency-key": key}
+        answer = clients[kind].post(path, content=body, headers=headers)
+        if answer.status_code != 201:
+            raise RuntimeError(f"{kind} {path} answered {answer.status_code}: {answer.text[:200]}")
+
+    with LeaseClient(leasekeeper_url) as lk:
 
         def lease() -> None:
             key = str(uuid.uuid4())
             held = lk.acquire(namespace, key, ttl=30, fingerprint="f" * 64)
             lk.complete(namespace, key, held.owner_token, {"status": 201})  # type: ignore[union-attr]
 
-        steps: dict[str, Callable[[], None]] = {
-            "unguarded": lambda: post("/plain/orders", str(uuid.uuid4())),
-            "first": lambda: post("/guarded/orders", str(uuid.uuid4())),
-            "replay": lambda: post("/guarded/orders", replay_key),
-            "lease": lease,
-        }
-        for turn in range(50 + rounds):
-            for name, step in steps.items():
-                began = time.perf_counter()
-                step()
-                if turn >= 50:
-                    samples[name].append(time.perf_counter() - began)
-    return {name: summary(values) for name, values in samples.items()}
+        def fresh(kind: str, path: str) -> Callable[[], None]:
+            return lambda: post(kind, path, str(uuid.uuid4()))
+
+        steps: list[tuple[str, str, Callable[[], None]]] = [(LEASE, LEASE, lease)]
+        for kind in apps:
+            steps += [
+                (kind, "unguarded", fresh(kind, "/plain/orders")),
+                (kind, "first", fresh(kind, "/guarded/orders")),
+                (kind, "replay", functools.partial(post, kind, "/guarded/orders", replay_key)),
+            ]
+        try:
+            for turn in range(50 + rounds):
+                for kind, name, step in steps:
+                    began = time.perf_counter()
+                    step()
+                    if turn >= 50:
+                        samples[kind][name].append(time.perf_counter() - began)
+        finally:
+            for client in clients.values():
+                client.close()
+    return {
+        kind: {name: summary(values) for name, values in measures.items()}
+        for kind, measures in samples.items()
+    }
 
 
 def start_app(kind: str, leasekeeper_url: str, namespace: str, workdir: Path) -> Process:
@@ -179,20 +206,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from leasekeeper import LeaseClient
 
-    results: dict[str, dict[str, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="leasekeeper-bench-mw-") as tmp:
         workdir = Path(tmp)
         leasekeeper = start_leasekeeper(args.store or f"sqlite:///{workdir / 'lk.db'}", workdir)
+        apps: list[Process] = []
         try:
             with LeaseClient(leasekeeper.url) as client:
                 namespace = client.create_namespace()
             for kind in args.kinds:
-                app = start_app(kind, leasekeeper.url, namespace, workdir)
-                try:
-                    results[kind] = measure(app.url, leasekeeper.url, namespace, args.rounds)
-                finally:
-                    app.stop()
+                apps.append(start_app(kind, leasekeeper.url, namespace, workdir))
+            urls = {app.name: app.url for app in apps}
+            results = measure(urls, leasekeeper.url, namespace, args.rounds)
         finally:
+            for app in apps:
+                app.stop()
             leasekeeper.stop()
     print(report(results))
     if args.json is not None:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from bench.middleware import MEASURES, parse_args, report, summary
+from bench.middleware import LEASE, MEASURES, parse_args, report, summary
 
 
 def test_the_summary_is_in_milliseconds_at_the_median_p90_and_p99() -> None:
@@ -23,9 +23,11 @@ def test_the_summary_is_in_milliseconds_at_the_median_p90_and_p99() -> None:
 def test_the_report_says_what_the_middleware_adds_at_the_median() -> None:
     figures = {name: {"median": 1.0, "p90": 2.0, "p99": 3.0} for name in MEASURES}
     figures["first"] = {"median": 4.5, "p90": 6.0, "p99": 9.0}
-    text = report({"asgi": figures})
+    lease = {LEASE: {"median": 3.0, "p90": 4.0, "p99": 5.0}}
+    text = report({"asgi": figures, "wsgi": figures, LEASE: lease})
     assert "asgi  added: first +3.50 ms, replay +0.00 ms (medians)" in text
-    assert len(text.splitlines()) == 1 + len(MEASURES) + 1
+    assert text.splitlines()[-1].split() == ["-", "lease", "3.00", "4.00", "5.00"]
+    assert len(text.splitlines()) == 1 + 2 * (len(MEASURES) + 1) + 1
 
 
 def test_the_arguments_are_checked() -> None:
@@ -49,7 +51,8 @@ def test_a_short_run_measures_both_kinds(tmp_path: Path) -> None:
         timeout=240,
     )
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"asgi", "wsgi"}
+    assert set(results) == {"asgi", "wsgi", LEASE}
+    assert set(results.pop(LEASE)) == {LEASE}
     for figures in results.values():
         assert set(figures) == set(MEASURES)
         assert all(f["median"] > 0 for f in figures.values())
