@@ -62,6 +62,7 @@ __all__ = [
     "read_key",
     "refusal",
     "replay",
+    "result_size",
     "results_to_store",
     "status_line",
     "stored_result",
