@@ -28,12 +28,14 @@ from leasekeeper._service import LeaseService, Reply
 from leasekeeper._settings import Settings, SettingsError
 from leasekeeper.client import AsyncLeaseClient, LeaseClient
 from leasekeeper.store import Store, open_store
+from leasekeeper.web import IdempotencyMiddleware, WSGIIdempotencyMiddleware
 
 __all__ = [
     "AsyncLeaseClient",
     "Clock",
     "FakeClock",
     "FingerprintConflict",
+    "IdempotencyMiddleware",
     "InternalError",
     "InvalidRequest",
     "LeaseClient",
@@ -57,5 +59,6 @@ __all__ = [
     "StaleFence",
     "Store",
     "SystemClock",
+    "WSGIIdempotencyMiddleware",
     "open_store",
 ]

@@ -1,0 +1,354 @@
+"""``IdempotencyMiddleware``: Idempotency-Key for any ASGI app, on ``AsyncLeaseClient``.
+
+Its decisions are ``_idempotency``'s; this module reads the request, holds the lease
+while the app runs, and writes the answers. A guarded request, in order::
+
+    key missing ─────────────> 400 if required, else the app runs unguarded
+    body read whole ─────────> fingerprint; lease taken (renewed while the app runs)
+        completed ───────────> the stored response, Idempotent-Replayed: true
+        held / other payload ─> 409 / 422
+        leasekeeper down ────> 503 (or, fail_open, the app runs unguarded)
+    the app answers:
+        a stored status ─────> buffered; at its last byte stored, then sent
+        over 32 KiB ─────────> status and headers stored, then streamed
+        other statuses ──────> streamed; the lease released
+        raises ──────────────> the lease released; the error goes on
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Collection, Iterable, MutableMapping
+from contextlib import AsyncExitStack
+from typing import Any
+
+from leasekeeper import LeaseError, LeaseLost, PayloadTooLarge
+from leasekeeper.client import AsyncHeldLease, AsyncLeaseClient
+from leasekeeper.web._idempotency import (
+    COMPLETE_RETRY_DELAYS,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_METHODS,
+    DEFAULT_STORED_HEADERS,
+    HEADER,
+    LOST_BEFORE_STORED,
+    NOT_STORED,
+    UNSURE_COMPLETE,
+    Fingerprint,
+    IdempotentRequest,
+    KeyScope,
+    Policy,
+    Reply,
+    RequestLease,
+    ResponseRecorder,
+    UnreadableResult,
+    body_too_large,
+    read_key,
+    refusal,
+    replay,
+    results_to_store,
+    unreadable,
+)
+
+__all__ = ["IdempotencyMiddleware"]
+
+log = logging.getLogger("leasekeeper.web")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_HEADER = HEADER.encode("ascii")
+#: Where the app finds its ``RequestLease``: ``scope["state"]`` (``request.state``).
+_STATE_NAME = "leasekeeper"
+
+
+class IdempotencyMiddleware:
+    """Makes an ASGI app's POST and PATCH requests idempotent by their ``Idempotency-Key``.
+
+    ``service`` is leasekeeper's URL (``http://127.0.0.1:8787``) or an
+    ``AsyncLeaseClient``; ``namespace`` a minted ``ns_...`` (keys may then be readable
+    strings such as ``order-17``; without one the service only takes high-entropy keys).
+    Options: ``methods`` guarded; ``paths`` (exact paths, prefixes ending with ``*``,
+    or a function of the path); ``required`` (a guarded request without a key is 400);
+    ``ttl`` of the lease, renewed while the app runs; ``stored_statuses`` (a
+    collection or a function; every status below 500 by default); ``wait`` seconds a
+    duplicate waits for the first to finish (0: it gets 409 at once); ``fail_open``
+    (leasekeeper unreachable: run the request unguarded, with a WARNING, instead of
+    503); ``fingerprint`` and ``key_scope``, functions of an ``IdempotentRequest``;
+    ``stored_headers``; ``max_request_bytes``; ``docs_url`` for the problems' type.
+
+    The app finds its lease in ``scope["state"]["leasekeeper"]`` (a ``RequestLease``,
+    None when it runs unguarded). See docs/middleware.md.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        service: str | AsyncLeaseClient,
+        *,
+        namespace: str | None,
+        methods: Iterable[str] = DEFAULT_METHODS,
+        paths: Iterable[str] | Callable[[str], bool] | None = None,
+        required: bool = False,
+        ttl: int = 30,
+        stored_statuses: Collection[int] | Callable[[int], bool] | None = None,
+        wait: float = 0.0,
+        fail_open: bool = False,
+        fingerprint: Fingerprint | None = None,
+        key_scope: KeyScope | None = None,
+        stored_headers: Iterable[str] = DEFAULT_STORED_HEADERS,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        docs_url: str | None = None,
+    ) -> None:
+        self.app = app
+        self.policy = Policy.build(
+            namespace=namespace,
+            methods=methods,
+            paths=paths,
+            required=required,
+            ttl=ttl,
+            stored_statuses=stored_statuses,
+            wait=wait,
+            fail_open=fail_open,
+            fingerprint=fingerprint,
+            key_scope=key_scope,
+            stored_headers=stored_headers,
+            max_request_bytes=max_request_bytes,
+            docs_url=docs_url,
+        )
+        if isinstance(service, AsyncLeaseClient):
+            self._url: str | None = None
+            self._lease_client = service
+        elif isinstance(service, str):
+            self._url = service
+            self._lease_client = AsyncLeaseClient(service)  # ValueError for a bad URL, now
+        else:
+            raise TypeError("service must be leasekeeper's URL or an AsyncLeaseClient")
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _client(self) -> AsyncLeaseClient:
+        """The lease client; one of our own is made anew for each event loop, since its
+        connections belong to the loop that opened them (a test client's loop ends)."""
+        if self._url is not None:
+            loop = asyncio.get_running_loop()
+            if self._loop is not loop:
+                if self._loop is not None:
+                    self._lease_client = AsyncLeaseClient(self._url)
+                self._loop = loop
+        return self._lease_client
+
+    async def aclose(self) -> None:
+        """Close the lease client if the middleware made it (done at lifespan shutdown)."""
+        if self._url is not None:
+            await self._lease_client.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in self.policy.methods:
+            if scope["type"] == "lifespan" and self._url is not None:
+                send = self._closing_at_shutdown(send)
+            await self.app(scope, receive, send)
+            return
+        values = [v.decode("latin-1") for k, v in scope["headers"] if k == _HEADER]
+        if not (values or self.policy.required) or not self.policy.guards_path(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        await self._guarded(scope, receive, send, values)
+
+    def _closing_at_shutdown(self, send: Send) -> Send:
+        async def closing(message: Message) -> None:
+            if message["type"] == "lifespan.shutdown.complete":
+                await self.aclose()
+            await send(message)
+
+        return closing
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send, values: list[str]) -> None:
+        policy = self.policy
+        key = read_key(values, policy)
+        if isinstance(key, Reply):
+            await _send_reply(send, key)
+            return
+        try:
+            body = await _read_body(receive, policy.max_request_bytes)
+        except _BodyTooLarge:
+            await _send_reply(send, body_too_large(policy))
+            return
+        if body is None:  # the client left before sending its body: nobody to answer
+            return
+        request = IdempotentRequest(
+            method=scope["method"],
+            path=scope["path"],
+            query=scope.get("query_string", b"").decode("latin-1"),
+            headers=tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]),
+            body=body,
+            raw=scope,
+        )
+        lease_key = policy.lease_key(key, request)
+        if isinstance(lease_key, Reply):
+            await _send_reply(send, lease_key)
+            return
+        fingerprint = policy.fingerprint_of(request)
+        receive = _replaying(body, receive)
+        async with AsyncExitStack() as stack:
+            try:
+                lease = await stack.enter_async_context(
+                    self._client().lease(
+                        policy.namespace,
+                        lease_key,
+                        ttl=policy.ttl,
+                        fingerprint=fingerprint,
+                        wait=policy.wait or None,
+                    )
+                )
+            except LeaseError as error:
+                reply = refusal(policy, error)
+                if reply is None:
+                    log.warning(
+                        "leasekeeper is unavailable (%s): the request runs unguarded", error.error
+                    )
+                    await self.app(_scope_with(scope, None), receive, send)
+                else:
+                    if reply.status == 400:
+                        log.warning("leasekeeper refused an Idempotency-Key: %s", error.error)
+                    await _send_reply(send, reply)
+                return
+            if lease.completed:
+                await _send_reply(send, _replay(policy, lease.result))
+                return
+            exchange = _Exchange(policy, lease, send)
+            await self.app(_scope_with(scope, lease), receive, exchange.send)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body; None if the client disconnected first."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """``receive`` for the app: the body read already, then the real one (a disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay_receive() -> Message:
+        if pending:
+            return pending.pop()
+        return await receive()
+
+    return replay_receive
+
+
+def _scope_with(scope: Scope, lease: AsyncHeldLease | None) -> Scope:
+    """A copy of ``scope`` carrying the lease in its state, without the ``http.response.*``
+    extensions (zero-copy and path sends, trailers, early hints): their messages carry
+    what a recorded response cannot hold, and an app uses them only when offered."""
+    state = dict(scope.get("state") or {})
+    state[_STATE_NAME] = RequestLease(lease) if lease is not None else None
+    extensions = {
+        name: value
+        for name, value in (scope.get("extensions") or {}).items()
+        if not name.startswith("http.response.")
+    }
+    return {**scope, "state": state, "extensions": extensions}
+
+
+def _replay(policy: Policy, result: Any) -> Reply:
+    try:
+        return replay(policy, result)
+    except UnreadableResult:
+        log.error("the result stored for an Idempotency-Key is not a stored response")
+        return unreadable(policy)
+
+
+async def _send_reply(send: Send, reply: Reply) -> None:
+    headers = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in reply.framed_headers()]
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    await send({"type": "http.response.body", "body": reply.body})
+
+
+class _Exchange:
+    """The app's ``send`` for a guarded request: records the response and stores it
+    before any of it reaches the client, so that a client that has the response and
+    retries gets it replayed."""
+
+    def __init__(self, policy: Policy, lease: AsyncHeldLease, send: Send) -> None:
+        self._policy = policy
+        self._lease = lease
+        self._send = send
+        self._recorder = ResponseRecorder()
+        self._start: Message | None = None
+        self._passing = False
+
+    async def send(self, message: Message) -> None:
+        if self._passing:
+            await self._send(message)
+            return
+        kind = message["type"]
+        if kind == "http.response.start":
+            self._start = message
+            status = message["status"]
+            headers = message.get("headers", [])
+            self._recorder.start(
+                status, [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
+            )
+            if not self._policy.stores_status(status):
+                self._passing = True
+                await self._send(message)
+            return
+        if kind != "http.response.body" or self._start is None:
+            await self._send(message)  # not ours to keep; the server judges it
+            return
+        more = message.get("more_body", False)
+        if self._recorder.add(message.get("body", b"")):
+            if not more:
+                body = self._recorder.body()
+                await self._complete(body)
+                await self._send(self._start)
+                await self._send({"type": "http.response.body", "body": body})
+            return
+        # Over the limit: the status and headers are stored now, so the handler's effect
+        # is never repeated, and the body goes out as it comes.
+        await self._complete(None)
+        self._passing = True
+        await self._send(self._start)
+        await self._send(
+            {"type": "http.response.body", "body": self._recorder.body(), "more_body": more}
+        )
+
+    async def _complete(self, body: bytes | None) -> None:
+        recorder = self._recorder
+        fence = self._lease.fencing_token
+        delays = list(COMPLETE_RETRY_DELAYS)
+        for result in results_to_store(self._policy, recorder.status, recorder.headers, body):
+            while True:
+                try:
+                    await self._lease.complete(result)
+                    return
+                except LeaseLost:
+                    log.warning(LOST_BEFORE_STORED, fence)
+                    return
+                except PayloadTooLarge:
+                    break
+                except UNSURE_COMPLETE as error:
+                    if not delays:
+                        log.warning(NOT_STORED, fence, error.error)
+                        return
+                    await asyncio.sleep(delays.pop(0))
+        log.warning(NOT_STORED, fence, "too large")
