@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # PostgreSQL tests are required, locally they skip with a reason when it is down.
 export LEASEKEEPER_TEST_POSTGRES_URL ?= postgresql://postgres@127.0.0.1:5432/test
 
-.PHONY: serve test check lint typecheck pytest bench soak clean
+.PHONY: serve test check lint typecheck unasync pytest bench soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)  ## run the server on the embedded SQLite store (./leasekeeper.db)
 	$(BIN)/leasekeeper serve
 
-test: check pytest  ## the whole suite: lint, types, tests
+test: check unasync pytest  ## the whole suite: lint, types, the generated sync client, tests
 
 check: lint typecheck
 
@@ -28,6 +28,9 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+
+unasync: $(STAMP)  ## fails when client/_sync.py is not what scripts/unasync.py writes
+	$(BIN)/python scripts/unasync.py --check
 
 pytest: $(STAMP)
 	$(BIN)/pytest -q -p no:cacheprovider

@@ -1,14 +1,23 @@
-"""The asyncio client: ``AsyncLeaseClient`` and the ``AsyncHeldLease`` of ``async with``."""
+"""The asyncio client: ``AsyncLeaseClient`` and the ``AsyncHeldLease`` of ``async with``.
+
+This module is the one source of both clients: ``scripts/unasync.py`` writes the sync
+client (``_sync.py``) from it, renaming ``async def`` to ``def``, ``AsyncLeaseClient`` to
+``LeaseClient``, ``asyncio.Lock`` to ``threading.Lock`` and so on. Edit this module, then
+run ``python scripts/unasync.py``; ``make test`` fails while ``_sync.py`` is not current.
+What differs between the two sides lives beside its twin outside this module: the request
+(``_http.post``, ``async_post``), calling a callback (``_common.notify``, ``async_notify``,
+``call_soon``, ``async_call_soon``) and the renewal worker (``_renewer``).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
-import inspect
 import logging
 import math
 import random as _random
+import threading
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from types import TracebackType
@@ -17,30 +26,30 @@ from typing import Any, ParamSpec
 import httpx
 
 from leasekeeper._clock import elapsed_seconds
-from leasekeeper._errors import LeaseError, LeaseHeld, LeaseLost, ServiceUnreachable
+from leasekeeper._errors import LeaseError, LeaseHeld, LeaseLost
 from leasekeeper.client._common import (
     FENCE_CHANGED,
     NOT_OWNED,
     ONCE_LEASE,
     UNSURE_COMPLETE,
     WAITABLE,
+    OnLost,
     OnWait,
     Wait,
+    async_call_soon,
+    async_notify,
     complete_deadline,
     complete_delay,
     unsure_complete,
 )
 from leasekeeper.client._http import (
     DEFAULT_TIMEOUT,
-    HEADERS,
-    BodyReader,
+    async_post,
     encode,
     http_root,
     lease_body,
-    read_response,
     renewal_timeout,
     route_prefix,
-    unreachable,
 )
 from leasekeeper.client._renewer import (
     AsyncRenewalWorker,
@@ -67,18 +76,19 @@ log = logging.getLogger("leasekeeper.client")
 
 P = ParamSpec("P")
 
-#: ``on_lost(error)``: a function or a coroutine function, told once when the lease is lost.
-AsyncOnLost = Callable[[LeaseLost], object]
-
 
 class AsyncLeaseClient:
-    """The asyncio mirror of ``LeaseClient``; every operation is a coroutine.
+    """A client for the leasekeeper HTTP API.
 
-    ``AsyncLeaseClient("http://127.0.0.1:8787")``, or ``client=`` an
-    ``httpx.AsyncClient`` of yours, or ``transport=`` (for example
-    ``httpx.ASGITransport(app)`` to talk to an app in-process).
+    ``AsyncLeaseClient("http://127.0.0.1:8787")`` opens its own ``httpx.AsyncClient``;
+    pass ``client=`` to use yours (its ``base_url`` applies when ``base_url`` is
+    not given) or ``transport=`` to put any ``httpx`` transport underneath.
+    Every refusal raises the matching exception of ``leasekeeper``'s one tree
+    (``LeaseHeld``, ``LeaseLost``, ``FingerprintConflict``, ...), and a request
+    that gets no answer raises ``ServiceUnreachable``.
+
     ``monotonic``, ``signal_factory``, ``task_factory`` and ``random`` drive
-    waiting and background renewal; tests replace them.
+    waiting and background renewal; tests replace them to run on a fake clock.
     """
 
     def __init__(
@@ -111,6 +121,8 @@ class AsyncLeaseClient:
         self._task_factory = task_factory
         self._random = random
 
+    # -- lifecycle ---------------------------------------------------------------------------
+
     async def aclose(self) -> None:
         """Close the HTTP client if this object opened it."""
         if self._owns_http:
@@ -122,33 +134,26 @@ class AsyncLeaseClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
+    # -- the five operations -------------------------------------------------------------------
+
     async def _post(
         self, route: str, body: dict[str, Any], request_seconds: float | None = None
-    ) -> Any:
+    ) -> dict[str, Any]:
         content = encode(body)
-        url = self._prefix + route
-        # As in LeaseClient._post: timeouts only on our own client, and the request's time
-        # bounds the whole exchange, here with asyncio.timeout (the head included).
+        # Timeouts only on our own client: an injected one keeps its settings (Starlette's
+        # TestClient, for one, refuses a per-request timeout). The request's time bounds
+        # the whole answer's arrival too, not only each read.
         seconds = self.timeout if request_seconds is None else request_seconds
-        bounded = self._owns_http and isinstance(seconds, int | float)  # not an httpx.Timeout
-        reader = BodyReader(None, self._monotonic)
-        try:
-            async with asyncio.timeout(seconds if bounded else None):
-                if request_seconds is None or not self._owns_http:
-                    streamed = self._http.stream("POST", url, content=content, headers=HEADERS)
-                else:
-                    streamed = self._http.stream(
-                        "POST", url, content=content, headers=HEADERS, timeout=request_seconds
-                    )
-                async with streamed as response:
-                    if reader.start(response):  # never an encoded body: nothing is inflated
-                        async for chunk in response.aiter_bytes():
-                            reader.add(chunk)
-        except httpx.RequestError as exc:  # no answer, or none that could be read
-            raise unreachable(exc) from exc
-        except TimeoutError:
-            raise ServiceUnreachable("The lease service's answer did not arrive in time") from None
-        return read_response(response, reader.content())
+        owned = self._owns_http
+        bounded = owned and isinstance(seconds, int | float)  # not None, nor an httpx.Timeout
+        return await async_post(
+            self._http,
+            self._prefix + route,
+            content,
+            limit=seconds if bounded else None,
+            httpx_timeout=request_seconds if owned else None,
+            monotonic=self._monotonic,
+        )
 
     async def create_namespace(self) -> str:
         """Mint a namespace: a 256-bit bearer secret. Keep it; nobody can recover it."""
@@ -164,9 +169,16 @@ class AsyncLeaseClient:
         wait: Wait = None,
         on_wait: OnWait | None = None,
     ) -> Lease | Completed:
-        """Take the lease on ``key``, waiting as ``LeaseClient.acquire`` does;
-        ``on_wait`` may be a plain function or a coroutine function."""
-        return (await self._acquire(namespace, key, ttl, fingerprint, wait, on_wait))[0]
+        """Take the lease on ``key``: a ``Lease`` (yours now) or the ``Completed`` result.
+
+        With ``wait`` (seconds, a ``timedelta`` or ``math.inf``) a held key, a rate
+        limit or an unavailable service is retried with backoff guided by
+        ``Retry-After`` until the wait is over; then the last error is raised
+        (``LeaseHeld`` for a key still held). ``on_wait(error, delay)`` is told
+        before each pause.
+        """
+        outcome, _ = await self._acquire(namespace, key, ttl, fingerprint, wait, on_wait)
+        return outcome
 
     async def _acquire(
         self,
@@ -177,6 +189,7 @@ class AsyncLeaseClient:
         wait: Wait,
         on_wait: OnWait | None,
     ) -> tuple[Lease | Completed, float]:
+        """Acquire, waiting as ``acquire`` does; also returns when the winning request was sent."""
         body = lease_body(namespace=namespace, key=key, ttl_seconds=ttl, fingerprint=fingerprint)
         deadline = self._monotonic() + as_seconds(wait)
         attempt = 0
@@ -195,9 +208,7 @@ class AsyncLeaseClient:
                 if delay is None:
                     raise
                 if on_wait is not None:
-                    told = on_wait(error, delay)
-                    if inspect.isawaitable(told):  # a coroutine function, as on_lost may be
-                        await told
+                    await async_notify(on_wait, error, delay)
                 await self._signal_factory().wait(delay)
                 attempt += 1
 
@@ -230,6 +241,8 @@ class AsyncLeaseClient:
         body = lease_body(namespace=namespace, key=key, owner_token=owner_token, result=result)
         return parse_completed(await self._post("/lease/complete", body))
 
+    # -- held leases -------------------------------------------------------------------------
+
     def lease(
         self,
         namespace: str | None,
@@ -238,10 +251,15 @@ class AsyncLeaseClient:
         ttl: int = 30,
         fingerprint: str | None = None,
         wait: Wait = None,
-        on_lost: AsyncOnLost | None = None,
+        on_lost: OnLost | None = None,
         on_wait: OnWait | None = None,
     ) -> AsyncHeldLease:
-        """A lease for an ``async with`` block; see ``AsyncHeldLease``."""
+        """A lease for an ``async with`` block: acquired on entry, renewed, released on exit.
+
+        See ``AsyncHeldLease``. ``wait`` and ``on_wait`` are ``acquire``'s; ``on_lost``
+        is called once if the lease is lost: from the renewal worker, or from the
+        caller whose ``check()`` found the local expiry first.
+        """
         return AsyncHeldLease(
             self,
             namespace,
@@ -261,14 +279,26 @@ class AsyncLeaseClient:
         fingerprint: str | Callable[..., str | None] | None = None,
         ttl: int = 30,
         wait: Wait = math.inf,
-        on_lost: AsyncOnLost | None = None,
+        on_lost: OnLost | None = None,
     ) -> Callable[[Callable[P, Awaitable[Any]]], Callable[P, Awaitable[Any]]]:
-        """Run the decorated coroutine function at most once per key and fingerprint.
+        """Run the decorated function (in the async client, a coroutine function) at most
+        once per key and fingerprint, across workers.
 
-        As ``LeaseClient.once``: every caller gets the stored result, the function
-        finds its ``AsyncHeldLease`` in ``current_lease()``, and a ``complete``
-        whose answer does not say whether it stored the result is tried again while
-        the lease is held.
+        ``key`` and ``fingerprint`` are values or functions of the call's
+        arguments. The first caller holds the lease while the function runs and
+        stores its return value (JSON) with ``complete``; every caller, the first
+        included, gets the *stored* result, so all see the same (redacted) value.
+        Other callers wait while the key is held (by default for ever); if the
+        function raises, the lease is released and the next caller runs it.
+
+        Inside the function ``current_lease()`` is its ``AsyncHeldLease``: a worker paused
+        past its TTL loses the lease and another caller may run the function, so check
+        it before side effects and send its ``fencing_token`` with writes. A
+        ``complete`` whose answer does not say whether it stored the result
+        (``unsure_complete``: unavailable, unreachable, 429, 408, a 500, an unreadable
+        answer) is tried again while the lease is held; a return value that cannot be stored
+        (not JSON: ``TypeError``; over 32 KiB: ``PayloadTooLarge``) raises after the
+        function ran, and the next caller runs it again.
         """
 
         def decorate(function: Callable[P, Awaitable[Any]]) -> Callable[P, Awaitable[Any]]:
@@ -300,7 +330,9 @@ class AsyncLeaseClient:
         return decorate
 
     async def _complete_once(self, lease: AsyncHeldLease, value: Any) -> Any:
-        """As ``LeaseClient._complete_once``."""
+        """``lease.complete(value)``, tried again while the lease is held after an answer
+        that does not say whether it was stored (``unsure_complete``), so that work done
+        is not done again for a blip."""
         attempt, deadline = 0, math.inf
         while True:
             try:
@@ -320,14 +352,25 @@ class AsyncLeaseClient:
 
 
 class AsyncHeldLease:
-    """The asyncio mirror of ``HeldLease``: renewed by a task, ``lost`` an ``asyncio.Event``.
+    """A lease held for an ``async with`` block and renewed in the background.
 
-    ``on_lost`` may be a plain function or a coroutine function; it runs in the
-    renewal task, and runs to its end even when the block is left meanwhile. Leaving
-    the block cancels the renewal task (not a lost lease's), then releases the
-    lease unless it was completed or lost (one lost to a renewal refused otherwise
-    than ``lost``, or answered with another fencing token, is released too: the
-    service may still hold it).
+    On entry the key is acquired (waiting up to ``wait``); the renewal worker then
+    renews it about every third of ``ttl``. On exit renewal stops, and the lease
+    is released unless it was completed or lost, also when the block raised (one
+    lost to a renewal refused otherwise than ``lost``, or answered with another
+    fencing token, is released too: the service may still hold it).
+
+    If the key was already completed with this fingerprint, ``completed`` is
+    true and ``result`` holds the stored result: nothing is renewed or released.
+
+    If ownership ends early (the service answers ``lost``, renewals keep failing
+    until the lease's expiry, or the key's lifecycle ends), ``lost`` is set,
+    ``lost_error`` says why, ``on_lost`` is called and a WARNING is logged; from
+    then on ``check()`` raises ``LeaseLost``. Call ``check()`` before each side
+    effect, and send ``fencing_token`` along with writes to the protected system.
+    In the async client ``lost`` is an asyncio event, and ``on_lost`` runs in a
+    task (the renewal task, or its own when ``check()`` finds the lease expired) that
+    runs to its end even when the block is left meanwhile.
     """
 
     def __init__(
@@ -339,7 +382,7 @@ class AsyncHeldLease:
         ttl: int,
         fingerprint: str | None,
         wait: Wait,
-        on_lost: AsyncOnLost | None,
+        on_lost: OnLost | None,
         on_wait: OnWait | None,
     ) -> None:
         if type(ttl) is not int:  # not a bool or None either: the renewal plan needs seconds
@@ -352,21 +395,27 @@ class AsyncHeldLease:
         self._wait = wait
         self._on_lost = on_lost
         self._on_wait = on_wait
+        #: Set once ownership ended without this object ending it.
         self.lost = asyncio.Event()
         self.lost_error: LeaseLost | None = None
         self.completed = False
         self.result: Any = None
+        #: The latest grant (acquire, then each renewal); None until entered or if completed.
         self.grant: Lease | None = None
         self.completion: Completed | None = None
         self.renewer: AsyncRenewalWorker | None = None
+        # Serializes owner operations (renew, complete, release) between the block and
+        # the renewal worker, so a renewal never lands after a complete or release.
         self._lock = asyncio.Lock()
-        self._callbacks: set[asyncio.Future[None]] = set()
+        # Makes "lost" once only when the renewal worker, its deadline and check() race
+        # (threads in the sync client); held for no await.
+        self._lost_lock = threading.Lock()
         self._entered = False
-        self._ended = False
+        self._ended = False  # this object ended ownership (completed, released, exited)
         #: A complete's answer did not say whether it stored the result (``complete``).
         self._unsure = False
-        #: Lost for want of proof, not on the service's word: leaving releases it
-        #: (``LeaseClient``'s ``HeldLease`` has the same).
+        #: Lost for want of proof, not on the service's word (a renewal refused otherwise
+        #: than ``lost``): the service may still hold it, so leaving releases it.
         self._maybe_held = False
 
     def __repr__(self) -> str:
@@ -437,21 +486,27 @@ class AsyncHeldLease:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        lost = self.lost.is_set()
-        if self.renewer is not None:
-            # A lost lease's renewal task is not cancelled: it may be running on_lost, which
-            # runs to its end as in the sync client (a renewal still in flight ends by its
-            # own deadline, and acts on nothing).
-            await self.renewer.stop(cancel=not lost)
-        if lost and not self._maybe_held:
+        lost = self.lost.is_set()  # the service said so, or its expiry has passed
+        # A lost lease has nothing to release, unless it was lost to a refused renewal:
+        # the service may still hold that one, and it is released as a held one is.
+        release = not lost or self._maybe_held
+        stopped = (
+            await self.renewer._stop_on_exit(lost=lost, release=release)
+            if self.renewer is not None
+            else True
+        )
+        if not release or not stopped:
             self._ended = True
+            if release:
+                log.warning(
+                    "could not release the lease: a renewal is still waiting for its "
+                    "answer; it expires by itself after its TTL"
+                )
             return
         async with self._lock:
             if self._ended:
                 return
             self._ended = True
-            # Lost on the service's word, or past its expiry: nothing to release. Lost to a
-            # renewal refused otherwise (a proxy's 404): the service may still hold it.
             if self.lost.is_set() and not self._maybe_held:
                 return
             try:
@@ -481,15 +536,19 @@ class AsyncHeldLease:
         if renewer is not None and renewer.plan.expired(self._client._monotonic()):
             error = LeaseLost("The lease expired before a renewal succeeded")
             if self._set_lost(error) and self._on_lost is not None:
-                # check() is not a coroutine: a coroutine on_lost runs as a task.
-                task = asyncio.ensure_future(self._call_on_lost(error))
-                self._callbacks.add(task)
-                task.add_done_callback(self._callbacks.discard)
+                async_call_soon(self._call_on_lost, error)
             raise LeaseLost(error.error)
 
     async def complete(self, result: Any) -> Any:
         """Store ``result`` and end ownership for good; returns the stored (redacted) result.
-        As ``HeldLease.complete``, an unsure answer included."""
+
+        A result over 32 KiB raises ``PayloadTooLarge`` and leaves the lease held
+        and renewed; a lost lease raises ``LeaseLost``. An error that does not say
+        whether the result was stored (the service unavailable or unreachable, a 500,
+        an answer that cannot be read) stops the renewals, as a renewal would be
+        answered lost if it was; call ``complete`` again, before the lease expires, to
+        find out: a result this owner stored is then returned, not refused.
+        """
         try:
             return await self._complete(result, retried=self._unsure)
         except LeaseError as error:
@@ -498,7 +557,9 @@ class AsyncHeldLease:
             raise
 
     async def _complete(self, result: Any, *, retried: bool) -> Any:
-        """As ``HeldLease._complete``."""
+        """``complete``; ``retried`` when an earlier attempt's answer was lost, so that it
+        may have stored the result: then the service decides (no local check first), and
+        a ``lost`` is looked into (``_stored_by_us``) before it is believed."""
         if not retried:
             self.check()
         unsure: LeaseError | None = None
@@ -526,13 +587,21 @@ class AsyncHeldLease:
             await self._lost(lost)
             raise lost
         if self.renewer is not None:
-            await self.renewer.stop()  # after an unsure answer too: as HeldLease
+            # After an unsure answer too: a renewal would race the retried complete, and
+            # be answered lost (the key completed) if the first attempt stored it.
+            await self.renewer.stop()
         if unsure is not None:
             raise unsure
         return self.result
 
     async def _stored_by_us(self) -> Completed | None:
-        """As ``HeldLease._stored_by_us``."""
+        """After a retried complete answered ``lost``: the result an earlier attempt of
+        this owner stored (its answer lost on the way), or None.
+
+        Looked up as any worker would, with an acquire of the key and fingerprint: the
+        key completed with this owner's fence is ours. A key found free (this lease had
+        ended) is let go again at once, and one held by another owner is not ours. A
+        lookup that gets no answer (``unsure_complete``) raises: still unsure, not lost."""
         try:
             found = await self._client.acquire(
                 self._namespace, self._key, ttl=1, fingerprint=self._fingerprint
@@ -557,6 +626,8 @@ class AsyncHeldLease:
             self._ended = True
             await self._client.release(self._namespace, self._key, self._token())
 
+    # -- for the renewal worker ------------------------------------------------------------------
+
     def _renewal_stopped(self) -> bool:
         """Whether renewal was told to stop (a renewal waiting for the lock then sends none),
         or a ``complete`` may have stored the result (``_unsure``): a renewal would then be
@@ -573,10 +644,13 @@ class AsyncHeldLease:
         request_seconds: float,
         deadline: Callable[[], AbstractAsyncContextManager[object]],
     ) -> int | None:
+        """Renew once for the worker; the granted TTL, or None if the lease is over. The
+        request is sent inside ``deadline()``, entered once the lock is held (a slow
+        ``complete`` holding it is not a renewal waiting for its answer)."""
         async with self._lock:
             if self._ended or self.lost.is_set() or self._renewal_stopped():
                 return None
-            async with deadline():  # entered once the lock is held, as in the sync client
+            async with deadline():
                 renewed = await self._client._renew(
                     self._namespace, self._key, self._token(), self._ttl, request_seconds
                 )
@@ -586,18 +660,21 @@ class AsyncHeldLease:
             return self.grant.ttl_seconds
 
     def _set_lost(self, error: LeaseLost, *, maybe_held: bool = False) -> bool:
-        if self.lost.is_set() or self._ended:
-            return False
-        self.lost_error = error
-        self._maybe_held = maybe_held
-        self.lost.set()
+        """Set ``lost`` and log a WARNING, once; whether this call did."""
+        with self._lost_lock:
+            if self.lost.is_set() or self._ended:
+                return False
+            self.lost_error = error
+            self._maybe_held = maybe_held
+            self.lost.set()
         fence = self.grant.fencing_token if self.grant else 0
         log.warning("lease lost (fencing token %d): %s", fence, error.error)
         return True
 
     async def _lost(self, error: LeaseLost, *, maybe_held: bool = False) -> None:
         """Ownership ended without us: set ``lost``, log a WARNING, call ``on_lost`` once.
-        ``maybe_held``: on no word of the service's, so leaving still releases it."""
+        ``maybe_held``: on no word of the service's (a renewal refused otherwise), so
+        leaving the block still releases it."""
         if self._set_lost(error, maybe_held=maybe_held):
             await self._call_on_lost(error)
 
@@ -605,8 +682,6 @@ class AsyncHeldLease:
         if self._on_lost is None:
             return
         try:
-            outcome = self._on_lost(error)
-            if inspect.isawaitable(outcome):
-                await outcome
+            await async_notify(self._on_lost, error)
         except Exception:
             log.exception("the on_lost callback failed")

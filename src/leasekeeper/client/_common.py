@@ -1,13 +1,16 @@
 """What the sync and async clients share: the waits and retries of ``acquire`` and
-``once``, and the ``once`` call's lease in this context (``current_lease``)."""
+``once``, the ``once`` call's lease in this context (``current_lease``), and how each
+side calls a callback (``notify``, ``call_soon`` and their ``async_`` twins)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
+import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from leasekeeper._errors import (
     LeaseConflict,
@@ -34,17 +37,22 @@ __all__ = [
     "OnLost",
     "OnWait",
     "Wait",
+    "async_call_soon",
+    "async_notify",
+    "call_soon",
     "complete_deadline",
     "complete_delay",
     "current_lease",
+    "notify",
     "unsure_complete",
 ]
 
 log = logging.getLogger("leasekeeper.client")
 
-#: ``on_wait(error, delay_seconds)``: told before each wait for a held key.
+#: ``on_wait(error, delay_seconds)``: told before each wait for a held key. The async
+#: client awaits what it returns when that is awaitable (a coroutine function's call).
 OnWait = Callable[[LeaseError, float], object]
-#: ``on_lost(error)``: told once when a held lease is lost.
+#: ``on_lost(error)``: told once when a held lease is lost; awaited as ``on_wait`` is.
 OnLost = Callable[[LeaseLost], object]
 Wait = float | timedelta | None
 
@@ -52,6 +60,37 @@ Wait = float | timedelta | None
 #: What ``wait=`` retries: a held key, a busy or unavailable service, a request the
 #: service did not receive in time (408).
 WAITABLE = (LeaseHeld, RateLimited, ServiceUnavailable, RequestTimeout)
+
+
+def notify(callback: Callable[..., object], *args: object) -> None:
+    """``callback(*args)``: the sync twin of ``async_notify``."""
+    callback(*args)
+
+
+async def async_notify(callback: Callable[..., object], *args: object) -> None:
+    """``callback(*args)``, awaited when it returns an awaitable: the async client's
+    callbacks may be plain functions or coroutine functions."""
+    outcome = callback(*args)
+    if inspect.isawaitable(outcome):
+        await outcome
+
+
+def call_soon(function: Callable[..., object], *args: object) -> None:
+    """``function(*args)`` now: the sync twin of ``async_call_soon``."""
+    function(*args)
+
+
+#: The tasks started by ``async_call_soon``, kept until they end (the loop keeps only
+#: weak references to its tasks).
+_CALLED_SOON: set[asyncio.Future[None]] = set()
+
+
+def async_call_soon(function: Callable[..., Coroutine[Any, Any, None]], *args: object) -> None:
+    """``await function(*args)`` in a task of its own, for code that cannot await it
+    (``AsyncHeldLease.check`` is not a coroutine)."""
+    task = asyncio.ensure_future(function(*args))
+    _CALLED_SOON.add(task)
+    task.add_done_callback(_CALLED_SOON.discard)
 
 
 def unsure_complete(error: LeaseError) -> bool:

@@ -1,4 +1,4 @@
-"""What the sync and async clients share: URLs, request bodies and reading a response.
+"""The clients' HTTP: URLs, request bodies, one POST (``post``, ``async_post``), its answer.
 
 Every response goes through ``read_response``: a 2xx JSON object with ``ok`` is
 returned, anything else becomes an exception of the one tree through
@@ -8,6 +8,7 @@ returned, anything else becomes an exception of the one tree through
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -32,10 +33,12 @@ __all__ = [
     "MAX_RESPONSE_BYTES",
     "BodyReader",
     "api_root",
+    "async_post",
     "decode",
     "encode",
     "http_root",
     "lease_body",
+    "post",
     "read_response",
     "renewal_timeout",
     "route_prefix",
@@ -271,3 +274,66 @@ def unreachable(exc: httpx.RequestError) -> LeaseError:
     """The error for a request that got no answer, or none that could be read (a body
     that does not decode, endless redirects); the URL stays out of the message."""
     return ServiceUnreachable(f"Could not reach the lease service ({type(exc).__name__})")
+
+
+def post(
+    http: httpx.Client,
+    url: str,
+    content: bytes,
+    *,
+    limit: float | None,
+    httpx_timeout: float | None,
+    monotonic: Callable[[], float],
+) -> dict[str, Any]:
+    """POST ``content`` (JSON) to ``url`` and return the answer's body (``read_response``).
+
+    ``limit``: seconds the whole answer may take to arrive, checked as each chunk of the
+    body arrives (None: httpx's own timeout only, which bounds each read).
+    ``httpx_timeout``: httpx's timeout for this request (None: the client's).
+    """
+    reader = BodyReader(None if limit is None else monotonic() + limit, monotonic)
+    try:
+        if httpx_timeout is None:
+            streamed = http.stream("POST", url, content=content, headers=HEADERS)
+        else:
+            streamed = http.stream(
+                "POST", url, content=content, headers=HEADERS, timeout=httpx_timeout
+            )
+        with streamed as response:
+            if reader.start(response):  # never an encoded body: nothing is inflated
+                for chunk in response.iter_bytes():
+                    reader.add(chunk)
+    except httpx.RequestError as exc:  # no answer, or none that could be read
+        raise unreachable(exc) from exc
+    return read_response(response, reader.content())
+
+
+async def async_post(
+    http: httpx.AsyncClient,
+    url: str,
+    content: bytes,
+    *,
+    limit: float | None,
+    httpx_timeout: float | None,
+    monotonic: Callable[[], float],
+) -> dict[str, Any]:
+    """``post`` for the async client: ``limit`` bounds the whole exchange, the response's
+    head included, with ``asyncio.timeout``."""
+    reader = BodyReader(None, monotonic)
+    try:
+        async with asyncio.timeout(limit):
+            if httpx_timeout is None:
+                streamed = http.stream("POST", url, content=content, headers=HEADERS)
+            else:
+                streamed = http.stream(
+                    "POST", url, content=content, headers=HEADERS, timeout=httpx_timeout
+                )
+            async with streamed as response:
+                if reader.start(response):  # never an encoded body: nothing is inflated
+                    async for chunk in response.aiter_bytes():
+                        reader.add(chunk)
+    except httpx.RequestError as exc:  # no answer, or none that could be read
+        raise unreachable(exc) from exc
+    except TimeoutError:
+        raise ServiceUnreachable("The lease service's answer did not arrive in time") from None
+    return read_response(response, reader.content())

@@ -248,6 +248,12 @@ class RenewalWorker:
             return False
         return True
 
+    def _stop_on_exit(self, *, lost: bool, release: bool) -> bool:
+        """``stop`` as the lease's block is left: a renewal in flight is waited for only
+        when the lease is to be ``release``d (one not answered by a lost lease's expiry is
+        not, nor the lock it holds). Whether the lease may be released now."""
+        return self.stop(wait=release)
+
     def run(self) -> None:
         """Turn after turn until done; an unexpected error marks the lease lost, loudly."""
         try:
@@ -371,6 +377,14 @@ class AsyncRenewalWorker:
         # asyncio.wait does not raise the task's CancelledError, so a cancellation
         # of the caller itself still propagates.
         await asyncio.wait([task])
+
+    async def _stop_on_exit(self, *, lost: bool, release: bool) -> bool:
+        """``stop`` as the lease's block is left: a lost lease's task is not cancelled (it
+        may be running ``on_lost``, which runs to its end as in the sync client; a renewal
+        still in flight ends by its own deadline, and acts on nothing). Always True: the
+        lease may be released now."""
+        await self.stop(cancel=not lost)
+        return True
 
     async def run(self) -> None:
         try:

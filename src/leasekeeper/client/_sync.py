@@ -1,4 +1,8 @@
-"""The synchronous client: ``LeaseClient`` and the ``HeldLease`` its ``lease()`` yields."""
+"""The synchronous client: ``LeaseClient`` and the ``HeldLease`` of its ``lease()``.
+
+Generated from ``_async.py`` by ``scripts/unasync.py``: edit that module, then run
+``python scripts/unasync.py``; ``make test`` fails while this one is not current.
+"""
 
 from __future__ import annotations
 
@@ -16,11 +20,7 @@ from typing import Any, ParamSpec
 import httpx
 
 from leasekeeper._clock import elapsed_seconds
-from leasekeeper._errors import (
-    LeaseError,
-    LeaseHeld,
-    LeaseLost,
-)
+from leasekeeper._errors import LeaseError, LeaseHeld, LeaseLost
 from leasekeeper.client._common import (
     FENCE_CHANGED,
     NOT_OWNED,
@@ -30,23 +30,27 @@ from leasekeeper.client._common import (
     OnLost,
     OnWait,
     Wait,
+    call_soon,
     complete_deadline,
     complete_delay,
+    notify,
     unsure_complete,
 )
 from leasekeeper.client._http import (
     DEFAULT_TIMEOUT,
-    HEADERS,
-    BodyReader,
     encode,
     http_root,
     lease_body,
-    read_response,
+    post,
     renewal_timeout,
     route_prefix,
-    unreachable,
 )
-from leasekeeper.client._renewer import RenewalWorker, ThreadFactory, Unproven, Waiter
+from leasekeeper.client._renewer import (
+    RenewalWorker,
+    ThreadFactory,
+    Unproven,
+    Waiter,
+)
 from leasekeeper.client._results import (
     Completed,
     Lease,
@@ -125,30 +129,24 @@ class LeaseClient:
 
     # -- the five operations -------------------------------------------------------------------
 
-    def _post(self, route: str, body: dict[str, Any], request_seconds: float | None = None) -> Any:
+    def _post(
+        self, route: str, body: dict[str, Any], request_seconds: float | None = None
+    ) -> dict[str, Any]:
         content = encode(body)
-        url = self._prefix + route
         # Timeouts only on our own client: an injected one keeps its settings (Starlette's
         # TestClient, for one, refuses a per-request timeout). The request's time bounds
-        # the whole answer's arrival too, not only each read (``BodyReader``).
+        # the whole answer's arrival too, not only each read.
         seconds = self.timeout if request_seconds is None else request_seconds
         owned = self._owns_http
         bounded = owned and isinstance(seconds, int | float)  # not None, nor an httpx.Timeout
-        reader = BodyReader(self._monotonic() + seconds if bounded else None, self._monotonic)
-        try:
-            if request_seconds is None or not owned:
-                streamed = self._http.stream("POST", url, content=content, headers=HEADERS)
-            else:
-                streamed = self._http.stream(
-                    "POST", url, content=content, headers=HEADERS, timeout=request_seconds
-                )
-            with streamed as response:
-                if reader.start(response):  # never an encoded body: nothing is inflated
-                    for chunk in response.iter_bytes():
-                        reader.add(chunk)
-        except httpx.RequestError as exc:  # no answer, or none that could be read
-            raise unreachable(exc) from exc
-        return read_response(response, reader.content())
+        return post(
+            self._http,
+            self._prefix + route,
+            content,
+            limit=seconds if bounded else None,
+            httpx_timeout=request_seconds if owned else None,
+            monotonic=self._monotonic,
+        )
 
     def create_namespace(self) -> str:
         """Mint a namespace: a 256-bit bearer secret. Keep it; nobody can recover it."""
@@ -172,7 +170,8 @@ class LeaseClient:
         (``LeaseHeld`` for a key still held). ``on_wait(error, delay)`` is told
         before each pause.
         """
-        return self._acquire(namespace, key, ttl, fingerprint, wait, on_wait)[0]
+        outcome, _ = self._acquire(namespace, key, ttl, fingerprint, wait, on_wait)
+        return outcome
 
     def _acquire(
         self,
@@ -202,7 +201,7 @@ class LeaseClient:
                 if delay is None:
                     raise
                 if on_wait is not None:
-                    on_wait(error, delay)
+                    notify(on_wait, error, delay)
                 self._event_factory().wait(delay)
                 attempt += 1
 
@@ -249,8 +248,8 @@ class LeaseClient:
         """A lease for a ``with`` block: acquired on entry, renewed, released on exit.
 
         See ``HeldLease``. ``wait`` and ``on_wait`` are ``acquire``'s; ``on_lost``
-        is called once if the lease is lost: from the renewal thread, or from the
-        thread whose ``check()`` found the local expiry first.
+        is called once if the lease is lost: from the renewal worker, or from the
+        caller whose ``check()`` found the local expiry first.
         """
         return HeldLease(
             self,
@@ -273,7 +272,8 @@ class LeaseClient:
         wait: Wait = math.inf,
         on_lost: OnLost | None = None,
     ) -> Callable[[Callable[P, Any]], Callable[P, Any]]:
-        """Run the decorated function at most once per key and fingerprint, across workers.
+        """Run the decorated function (in the async client, a coroutine function) at most
+        once per key and fingerprint, across workers.
 
         ``key`` and ``fingerprint`` are values or functions of the call's
         arguments. The first caller holds the lease while the function runs and
@@ -345,7 +345,7 @@ class LeaseClient:
 class HeldLease:
     """A lease held for a ``with`` block and renewed in the background.
 
-    On entry the key is acquired (waiting up to ``wait``); a renewal thread then
+    On entry the key is acquired (waiting up to ``wait``); the renewal worker then
     renews it about every third of ``ttl``. On exit renewal stops, and the lease
     is released unless it was completed or lost, also when the block raised (one
     lost to a renewal refused otherwise than ``lost``, or answered with another
@@ -359,6 +359,9 @@ class HeldLease:
     ``lost_error`` says why, ``on_lost`` is called and a WARNING is logged; from
     then on ``check()`` raises ``LeaseLost``. Call ``check()`` before each side
     effect, and send ``fencing_token`` along with writes to the protected system.
+    In the async client ``lost`` is an asyncio event, and ``on_lost`` runs in a
+    task (the renewal task, or its own when ``check()`` finds the lease expired) that
+    runs to its end even when the block is left meanwhile.
     """
 
     def __init__(
@@ -393,8 +396,10 @@ class HeldLease:
         self.completion: Completed | None = None
         self.renewer: RenewalWorker | None = None
         # Serializes owner operations (renew, complete, release) between the block and
-        # the renewal thread, so a renewal never lands after a complete or release.
+        # the renewal worker, so a renewal never lands after a complete or release.
         self._lock = threading.Lock()
+        # Makes "lost" once only when the renewal worker, its deadline and check() race
+        # (threads in the sync client); held for no await.
         self._lost_lock = threading.Lock()
         self._entered = False
         self._ended = False  # this object ended ownership (completed, released, exited)
@@ -473,13 +478,14 @@ class HeldLease:
         traceback: TracebackType | None,
     ) -> None:
         lost = self.lost.is_set()  # the service said so, or its expiry has passed
-        # A lost lease has nothing to release: a renewal still in flight (one that was
-        # not answered by the expiry) is not waited for, nor is the lock it holds; nor
-        # is the lock of one still in flight after the wait (the lease expires by itself).
-        # One lost to a refused renewal may still be held: it is released as a held one
-        # is (its worker has had its answer, and is ending).
+        # A lost lease has nothing to release, unless it was lost to a refused renewal:
+        # the service may still hold that one, and it is released as a held one is.
         release = not lost or self._maybe_held
-        stopped = self.renewer.stop(wait=release) if self.renewer is not None else True
+        stopped = (
+            self.renewer._stop_on_exit(lost=lost, release=release)
+            if self.renewer is not None
+            else True
+        )
         if not release or not stopped:
             self._ended = True
             if release:
@@ -519,8 +525,10 @@ class HeldLease:
             raise LeaseLost("The lease is not held (not entered, released or exited)")
         renewer = self.renewer
         if renewer is not None and renewer.plan.expired(self._client._monotonic()):
-            self._lost(LeaseLost("The lease expired before a renewal succeeded"))
-            raise LeaseLost("The lease expired before a renewal succeeded")
+            error = LeaseLost("The lease expired before a renewal succeeded")
+            if self._set_lost(error) and self._on_lost is not None:
+                call_soon(self._call_on_lost, error)
+            raise LeaseLost(error.error)
 
     def complete(self, result: Any) -> Any:
         """Store ``result`` and end ownership for good; returns the stored (redacted) result.
@@ -623,7 +631,9 @@ class HeldLease:
         return self.grant.owner_token
 
     def _renew_for_worker(
-        self, request_seconds: float, deadline: Callable[[], AbstractContextManager[object]]
+        self,
+        request_seconds: float,
+        deadline: Callable[[], AbstractContextManager[object]],
     ) -> int | None:
         """Renew once for the worker; the granted TTL, or None if the lease is over. The
         request is sent inside ``deadline()``, entered once the lock is held (a slow
@@ -640,20 +650,29 @@ class HeldLease:
             self.grant = renewed
             return self.grant.ttl_seconds
 
-    def _lost(self, error: LeaseLost, *, maybe_held: bool = False) -> None:
-        """Ownership ended without us: set ``lost``, log a WARNING, call ``on_lost`` once.
-        ``maybe_held``: on no word of the service's (a renewal refused otherwise), so
-        leaving the block still releases it."""
+    def _set_lost(self, error: LeaseLost, *, maybe_held: bool = False) -> bool:
+        """Set ``lost`` and log a WARNING, once; whether this call did."""
         with self._lost_lock:
             if self.lost.is_set() or self._ended:
-                return
+                return False
             self.lost_error = error
             self._maybe_held = maybe_held
             self.lost.set()
         fence = self.grant.fencing_token if self.grant else 0
         log.warning("lease lost (fencing token %d): %s", fence, error.error)
-        if self._on_lost is not None:
-            try:
-                self._on_lost(error)
-            except Exception:
-                log.exception("the on_lost callback failed")
+        return True
+
+    def _lost(self, error: LeaseLost, *, maybe_held: bool = False) -> None:
+        """Ownership ended without us: set ``lost``, log a WARNING, call ``on_lost`` once.
+        ``maybe_held``: on no word of the service's (a renewal refused otherwise), so
+        leaving the block still releases it."""
+        if self._set_lost(error, maybe_held=maybe_held):
+            self._call_on_lost(error)
+
+    def _call_on_lost(self, error: LeaseLost) -> None:
+        if self._on_lost is None:
+            return
+        try:
+            notify(self._on_lost, error)
+        except Exception:
+            log.exception("the on_lost callback failed")
