@@ -59,11 +59,17 @@ class Unproven(LeaseLost):
     it as a plain ``LeaseLost`` that leaving the block still releases (``maybe_held``)."""
 
 
-def _report_lost(error: LeaseLost) -> tuple[LeaseLost, bool]:
-    """What the lease is told of ``error``: the error, and whether it may still be held."""
+def _failure(error: LeaseError) -> tuple[LeaseLost, bool] | None:
+    """What a renewal refused with ``error`` means: None to try again soon (``_RETRIED``),
+    else the error the lease is lost with and whether it may still be held (not on the
+    service's word: an ``Unproven`` answer, or a refusal a retry would not change)."""
     if isinstance(error, Unproven):
         return LeaseLost(error.error), True
-    return error, False
+    if isinstance(error, LeaseLost):
+        return error, False
+    if isinstance(error, _RETRIED):
+        return None
+    return _refused(error), True
 
 
 class Waiter(Protocol):
@@ -145,6 +151,12 @@ def _expired(plan: RenewalPlan) -> LeaseLost:
         )
     return LeaseLost(
         f"The lease expired before a renewal succeeded ({plan.failures} failed attempts)"
+    )
+
+
+def _crashed() -> LeaseLost:
+    return LeaseLost(
+        "Lease renewal stopped on an unexpected error; ownership can no longer be assured"
     )
 
 
@@ -263,13 +275,7 @@ class RenewalWorker:
             log.exception("the lease renewal worker failed")
             lease = self._lease()
             if lease is not None and not self.stopped:
-                lease._lost(
-                    LeaseLost(
-                        "Lease renewal stopped on an unexpected error; "
-                        "ownership can no longer be assured"
-                    ),
-                    maybe_held=True,
-                )
+                lease._lost(_crashed(), maybe_held=True)
 
     def step(self) -> bool:
         """Wait until the next renewal is due, then renew; False when the worker is done."""
@@ -290,22 +296,17 @@ class RenewalWorker:
         timeout = min(self._request_timeout, max(plan.expires_at - now, MIN_RETRY_SECONDS))
         try:
             granted = lease._renew_for_worker(timeout, lambda: self._watch_expiry(lease))
-        except LeaseLost as error:
-            if not self.stopped:
-                told, maybe_held = _report_lost(error)
-                lease._lost(told, maybe_held=maybe_held)
-            return False
-        except _RETRIED as error:
+        except LeaseError as error:
             if self.stopped:
+                return False
+            failure = _failure(error)
+            if failure is not None:
+                lease._lost(failure[0], maybe_held=failure[1])
                 return False
             later = self._monotonic()
             plan.failed(later, error.retry_after or 1)
             _log_retry(plan, error, later)
             return True
-        except LeaseError as error:
-            if not self.stopped:
-                lease._lost(_refused(error), maybe_held=True)
-            return False
         if granted is None or self.stopped:
             return False
         plan.renewed(granted, now)
@@ -394,13 +395,7 @@ class AsyncRenewalWorker:
             log.exception("the lease renewal worker failed")
             lease = self._lease()
             if lease is not None and not self.stopped:
-                await lease._lost(
-                    LeaseLost(
-                        "Lease renewal stopped on an unexpected error; "
-                        "ownership can no longer be assured"
-                    ),
-                    maybe_held=True,
-                )
+                await lease._lost(_crashed(), maybe_held=True)
 
     async def step(self) -> bool:
         """Wait until the next renewal is due, then renew; False when the worker is done."""
@@ -443,22 +438,17 @@ class AsyncRenewalWorker:
                 max(plan.expires_at - later, 0.0),
             )
             return True
-        except LeaseLost as error:
-            if not self.stopped:
-                told, maybe_held = _report_lost(error)
-                await lease._lost(told, maybe_held=maybe_held)
-            return False
-        except _RETRIED as error:
+        except LeaseError as error:
             if self.stopped:
+                return False
+            failure = _failure(error)
+            if failure is not None:
+                await lease._lost(failure[0], maybe_held=failure[1])
                 return False
             later = self._monotonic()
             plan.failed(later, error.retry_after or 1)
             _log_retry(plan, error, later)
             return True
-        except LeaseError as error:
-            if not self.stopped:
-                await lease._lost(_refused(error), maybe_held=True)
-            return False
         if granted is None or self.stopped:
             return False
         plan.renewed(granted, now)
