@@ -33,7 +33,7 @@ from leasekeeper._errors import (
 )
 from leasekeeper.cli import main
 from leasekeeper.client.cli import _run as _run_module
-from leasekeeper.client.cli._options import CliEnvironment, Progress
+from leasekeeper.client.cli._commands import CliEnvironment, Progress
 from leasekeeper.client.cli._output import (
     EXIT_COMPLETED,
     EXIT_CONFLICT,

@@ -27,7 +27,7 @@ import click
 from leasekeeper._core.validation import MAX_TTL_SECONDS
 from leasekeeper._errors import LeaseError, LeaseLost
 from leasekeeper.client._sync import HeldLease, LeaseClient
-from leasekeeper.client.cli._options import (
+from leasekeeper.client.cli._commands import (
     Progress,
     Seconds,
     connection_options,
