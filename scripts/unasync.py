@@ -55,7 +55,9 @@ SUBSTITUTIONS: list[tuple[str, str]] = [
     (r"\b__aenter__\b", "__enter__"),
     (r"\b__aexit__\b", "__exit__"),
     (r"\baclose\b", "close"),
-    # Names: AsyncX is X, async_x is x (the twins in _common, _http and _renewer).
+    # A callback the async client awaits when it returns an awaitable is simply called.
+    (r"\basync_(?:notify|call_soon)\(([\w.]+), ", r"\1("),
+    # Names: AsyncX is X, async_x is x (the twins in _http and _renewer).
     (r"\bAbstractAsyncContextManager\b", "AbstractContextManager"),
     (r"\bAsync(?=[A-Z])", ""),
     (r"\basync_(?=[a-z])", ""),

@@ -1,6 +1,6 @@
 """What the sync and async clients share: the waits and retries of ``acquire`` and
-``once``, the ``once`` call's lease in this context (``current_lease``), and how each
-side calls a callback (``notify``, ``call_soon`` and their ``async_`` twins)."""
+``once``, the ``once`` call's lease in this context (``current_lease``), and how the async
+client calls a callback (``async_notify``, ``async_call_soon``; the sync one just calls it)."""
 
 from __future__ import annotations
 
@@ -39,11 +39,9 @@ __all__ = [
     "Wait",
     "async_call_soon",
     "async_notify",
-    "call_soon",
     "complete_deadline",
     "complete_delay",
     "current_lease",
-    "notify",
     "unsure_complete",
 ]
 
@@ -62,22 +60,12 @@ Wait = float | timedelta | None
 WAITABLE = (LeaseHeld, RateLimited, ServiceUnavailable, RequestTimeout)
 
 
-def notify(callback: Callable[..., object], *args: object) -> None:
-    """``callback(*args)``: the sync twin of ``async_notify``."""
-    callback(*args)
-
-
 async def async_notify(callback: Callable[..., object], *args: object) -> None:
     """``callback(*args)``, awaited when it returns an awaitable: the async client's
     callbacks may be plain functions or coroutine functions."""
     outcome = callback(*args)
     if inspect.isawaitable(outcome):
         await outcome
-
-
-def call_soon(function: Callable[..., object], *args: object) -> None:
-    """``function(*args)`` now: the sync twin of ``async_call_soon``."""
-    function(*args)
 
 
 #: The tasks started by ``async_call_soon``, kept until they end (the loop keeps only

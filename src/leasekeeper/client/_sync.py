@@ -30,10 +30,8 @@ from leasekeeper.client._common import (
     OnLost,
     OnWait,
     Wait,
-    call_soon,
     complete_deadline,
     complete_delay,
-    notify,
     unsure_complete,
 )
 from leasekeeper.client._http import (
@@ -201,7 +199,7 @@ class LeaseClient:
                 if delay is None:
                     raise
                 if on_wait is not None:
-                    notify(on_wait, error, delay)
+                    on_wait(error, delay)
                 self._event_factory().wait(delay)
                 attempt += 1
 
@@ -527,7 +525,7 @@ class HeldLease:
         if renewer is not None and renewer.plan.expired(self._client._monotonic()):
             error = LeaseLost("The lease expired before a renewal succeeded")
             if self._set_lost(error) and self._on_lost is not None:
-                call_soon(self._call_on_lost, error)
+                self._call_on_lost(error)
             raise LeaseLost(error.error)
 
     def complete(self, result: Any) -> Any:
@@ -673,6 +671,6 @@ class HeldLease:
         if self._on_lost is None:
             return
         try:
-            notify(self._on_lost, error)
+            self._on_lost(error)
         except Exception:
             log.exception("the on_lost callback failed")
