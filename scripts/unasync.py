@@ -40,6 +40,7 @@ SUBSTITUTIONS: list[tuple[str, str]] = [
     # AsyncSignal's import line goes, then the default itself is renamed.
     (r"^    AsyncSignal,\n", ""),
     (r"\bAsyncSignal\b", "threading.Event"),
+    (r"^import asyncio$", "import threading"),
     (r"\basyncio\.ensure_future\b", "threading.Thread"),
     (r"\basyncio\.(Event|Lock)\b", r"threading.\1"),
     # What may cut a request short in a thread, as cancellation does in a task.

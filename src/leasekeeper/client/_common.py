@@ -8,9 +8,10 @@ import asyncio
 import contextvars
 import inspect
 import logging
+import threading
 from collections.abc import Callable, Coroutine
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from leasekeeper._errors import (
     LeaseConflict,
@@ -25,8 +26,10 @@ from leasekeeper._errors import (
 from leasekeeper.client._timing import acquire_delay
 
 if TYPE_CHECKING:
-    from leasekeeper.client._async import AsyncHeldLease
-    from leasekeeper.client._sync import HeldLease
+    from leasekeeper.client._async import AsyncHeldLease, AsyncLeaseClient
+    from leasekeeper.client._renewer import AsyncRenewalWorker, RenewalWorker
+    from leasekeeper.client._results import Completed, Lease
+    from leasekeeper.client._sync import HeldLease, LeaseClient
 
 __all__ = [
     "FENCE_CHANGED",
@@ -34,6 +37,7 @@ __all__ = [
     "ONCE_LEASE",
     "UNSURE_COMPLETE",
     "WAITABLE",
+    "HeldLeaseBase",
     "OnLost",
     "OnWait",
     "Wait",
@@ -149,3 +153,121 @@ NOT_OWNED = (
     "The work on this key was completed before this lease was entered: "
     "it holds no fencing token and must not write"
 )
+
+
+class HeldLeaseBase:
+    """The state of a held lease and what reads or marks it without waiting: shared by
+    ``AsyncHeldLease`` and ``HeldLease``, which add their event (``lost``), owner lock,
+    renewal worker, client, and how ``on_lost`` is called from ``check()``."""
+
+    lost: threading.Event | asyncio.Event
+    renewer: RenewalWorker | AsyncRenewalWorker | None
+    _client: LeaseClient | AsyncLeaseClient
+    #: The class's name, and the block it is used in, for ``repr`` and errors.
+    _NAME: ClassVar[str]
+    _BLOCK: ClassVar[str]
+
+    def __init__(
+        self,
+        namespace: str | None,
+        key: str,
+        ttl: int,
+        fingerprint: str | None,
+        wait: Wait,
+        on_lost: OnLost | None,
+        on_wait: OnWait | None,
+    ) -> None:
+        if type(ttl) is not int:  # not a bool or None either: the renewal plan needs seconds
+            raise TypeError("ttl must be a whole number of seconds (an int)")
+        self._namespace = namespace
+        self._key = key
+        self._ttl = ttl
+        self._fingerprint = fingerprint
+        self._wait = wait
+        self._on_lost = on_lost
+        self._on_wait = on_wait
+        self.lost_error: LeaseLost | None = None
+        self.completed = False
+        self.result: Any = None
+        #: The latest grant (acquire, then each renewal); None until entered or if completed.
+        self.grant: Lease | None = None
+        self.completion: Completed | None = None
+        # Makes "lost" once only when the renewal worker, its deadline and check() race
+        # (threads in the sync client); held for no await.
+        self._lost_lock = threading.Lock()
+        self._entered = False
+        self._ended = False  # this object ended ownership (completed, released, exited)
+        #: A complete's answer did not say whether it stored the result (``complete``).
+        self._unsure = False
+        #: Lost for want of proof, not on the service's word (a renewal refused otherwise
+        #: than ``lost``): the service may still hold it, so leaving releases it.
+        self._maybe_held = False
+
+    def __repr__(self) -> str:
+        state = (
+            "completed"
+            if self.completed
+            else "lost"
+            if self.lost.is_set()
+            else "ended"
+            if self._ended
+            else "held"
+            if self._entered
+            else "not entered"
+        )
+        grant, completion = self.grant, self.completion
+        fence = grant.fencing_token if grant else completion.fencing_token if completion else None
+        return f"<{self._NAME} {state} fencing_token={fence}>"
+
+    @property
+    def fencing_token(self) -> int:
+        """The fence to send with writes: this owner's, also after it completed. A key
+        found completed on entry has none for this worker, which never held it:
+        ``LeaseLost`` (the completer's is ``completion.fencing_token``)."""
+        if self.grant is not None:
+            return self.grant.fencing_token
+        if self.completed:
+            raise LeaseLost(NOT_OWNED)
+        raise RuntimeError(f"the lease has not been acquired; use it in {self._BLOCK}")
+
+    def check(self) -> None:
+        """Raise ``LeaseLost`` unless this lease is still held (by the local estimate)."""
+        if self.lost.is_set() and self.lost_error is not None:
+            raise LeaseLost(self.lost_error.error)
+        if self.completed:
+            raise LeaseLost("The work on this key is completed; there is no lease to hold")
+        if self._ended or not self._entered:
+            raise LeaseLost("The lease is not held (not entered, released or exited)")
+        renewer = self.renewer
+        if renewer is not None and renewer.plan.expired(self._client._monotonic()):
+            error = LeaseLost("The lease expired before a renewal succeeded")
+            if self._set_lost(error) and self._on_lost is not None:
+                self._on_lost_from_check(error)
+            raise LeaseLost(error.error)
+
+    def _on_lost_from_check(self, error: LeaseLost) -> None:
+        """Call ``on_lost`` from ``check()``, which is not a coroutine (each side's own)."""
+        raise NotImplementedError
+
+    def _renewal_stopped(self) -> bool:
+        """Whether renewal was told to stop (a renewal waiting for the lock then sends none),
+        or a ``complete`` may have stored the result (``_unsure``): a renewal would then be
+        answered lost, and report as lost a lease whose work is stored."""
+        return self._unsure or (self.renewer is not None and self.renewer.stopped)
+
+    def _token(self) -> str:
+        if self.grant is None:  # pragma: no cover - guarded by the callers
+            raise RuntimeError("the lease has not been acquired")
+        return self.grant.owner_token
+
+    def _set_lost(self, error: LeaseLost, *, maybe_held: bool = False) -> bool:
+        """Set ``lost`` and log a WARNING, once; whether this call did."""
+        with self._lost_lock:
+            if self.lost.is_set() or self._ended:
+                return False
+            self.lost_error = error
+            self._maybe_held = maybe_held
+            self.lost.set()
+        fence = self.grant.fencing_token if self.grant else 0
+        log.warning("lease lost (fencing token %d): %s", fence, error.error)
+        return True

@@ -23,10 +23,10 @@ from leasekeeper._clock import elapsed_seconds
 from leasekeeper._errors import LeaseError, LeaseHeld, LeaseLost
 from leasekeeper.client._common import (
     FENCE_CHANGED,
-    NOT_OWNED,
     ONCE_LEASE,
     UNSURE_COMPLETE,
     WAITABLE,
+    HeldLeaseBase,
     OnLost,
     OnWait,
     Wait,
@@ -72,14 +72,12 @@ class LeaseClient:
     """A client for the leasekeeper HTTP API.
 
     ``LeaseClient("http://127.0.0.1:8787")`` opens its own ``httpx.Client``;
-    pass ``client=`` to use yours (its ``base_url`` applies when ``base_url`` is
-    not given) or ``transport=`` to put any ``httpx`` transport underneath.
-    Every refusal raises the matching exception of ``leasekeeper``'s one tree
-    (``LeaseHeld``, ``LeaseLost``, ``FingerprintConflict``, ...), and a request
-    that gets no answer raises ``ServiceUnreachable``.
-
-    ``monotonic``, ``event_factory``, ``thread_factory`` and ``random`` drive
-    waiting and background renewal; tests replace them to run on a fake clock.
+    pass ``client=`` to use yours (its ``base_url`` applies when ``base_url`` is not
+    given) or ``transport=`` to put any ``httpx`` transport underneath. A refusal raises
+    the matching exception of ``leasekeeper``'s one tree (``LeaseHeld``, ``LeaseLost``,
+    ...); a request that gets no answer raises ``ServiceUnreachable``. ``monotonic``,
+    ``event_factory``, ``thread_factory`` and ``random`` drive waiting and renewal (tests
+    replace them).
     """
 
     def __init__(
@@ -132,8 +130,7 @@ class LeaseClient:
     ) -> dict[str, Any]:
         content = encode(body)
         # Timeouts only on our own client: an injected one keeps its settings (Starlette's
-        # TestClient, for one, refuses a per-request timeout). The request's time bounds
-        # the whole answer's arrival too, not only each read.
+        # TestClient, for one, refuses a per-request timeout).
         seconds = self.timeout if request_seconds is None else request_seconds
         owned = self._owns_http
         bounded = owned and isinstance(seconds, int | float)  # not None, nor an httpx.Timeout
@@ -162,11 +159,9 @@ class LeaseClient:
     ) -> Lease | Completed:
         """Take the lease on ``key``: a ``Lease`` (yours now) or the ``Completed`` result.
 
-        With ``wait`` (seconds, a ``timedelta`` or ``math.inf``) a held key, a rate
-        limit or an unavailable service is retried with backoff guided by
-        ``Retry-After`` until the wait is over; then the last error is raised
-        (``LeaseHeld`` for a key still held). ``on_wait(error, delay)`` is told
-        before each pause.
+        With ``wait`` (seconds, a ``timedelta`` or ``math.inf``) a held key, a rate limit
+        or an unavailable service is retried with backoff until the wait is over, then
+        the last error raised; ``on_wait(error, delay)`` is told before each pause.
         """
         outcome, _ = self._acquire(namespace, key, ttl, fingerprint, wait, on_wait)
         return outcome
@@ -243,12 +238,9 @@ class LeaseClient:
         on_lost: OnLost | None = None,
         on_wait: OnWait | None = None,
     ) -> HeldLease:
-        """A lease for a ``with`` block: acquired on entry, renewed, released on exit.
-
-        See ``HeldLease``. ``wait`` and ``on_wait`` are ``acquire``'s; ``on_lost``
-        is called once if the lease is lost: from the renewal worker, or from the
-        caller whose ``check()`` found the local expiry first.
-        """
+        """A lease for a ``with`` block: acquired on entry, renewed, released on exit
+        (see ``HeldLease``). ``wait`` and ``on_wait`` are ``acquire``'s; ``on_lost`` is
+        called once if the lease is lost."""
         return HeldLease(
             self,
             namespace,
@@ -273,21 +265,14 @@ class LeaseClient:
         """Run the decorated function (in the async client, a coroutine function) at most
         once per key and fingerprint, across workers.
 
-        ``key`` and ``fingerprint`` are values or functions of the call's
-        arguments. The first caller holds the lease while the function runs and
-        stores its return value (JSON) with ``complete``; every caller, the first
-        included, gets the *stored* result, so all see the same (redacted) value.
-        Other callers wait while the key is held (by default for ever); if the
-        function raises, the lease is released and the next caller runs it.
-
-        Inside the function ``current_lease()`` is its ``HeldLease``: a worker paused
-        past its TTL loses the lease and another caller may run the function, so check
-        it before side effects and send its ``fencing_token`` with writes. A
-        ``complete`` whose answer does not say whether it stored the result
-        (``unsure_complete``: unavailable, unreachable, 429, 408, a 500, an unreadable
-        answer) is tried again while the lease is held; a return value that cannot be stored
-        (not JSON: ``TypeError``; over 32 KiB: ``PayloadTooLarge``) raises after the
-        function ran, and the next caller runs it again.
+        ``key`` and ``fingerprint`` are values or functions of the call's arguments. The
+        first caller holds the lease while the function runs and stores its JSON return
+        value; every caller gets the *stored* (redacted) result. Others wait while the key
+        is held (by default for ever); if the function raises, the next caller runs it.
+        Inside it ``current_lease()`` is its lease: ``check()`` it before side effects and
+        send its ``fencing_token`` with writes. A ``complete`` whose answer does not say
+        whether it stored the result is tried again while the lease is held; a value that
+        cannot be stored (``TypeError``, ``PayloadTooLarge``) raises after the function ran.
         """
 
         def decorate(function: Callable[P, Any]) -> Callable[P, Any]:
@@ -320,8 +305,7 @@ class LeaseClient:
 
     def _complete_once(self, lease: HeldLease, value: Any) -> Any:
         """``lease.complete(value)``, tried again while the lease is held after an answer
-        that does not say whether it was stored (``unsure_complete``), so that work done
-        is not done again for a blip."""
+        that does not say whether it was stored (``unsure_complete``)."""
         attempt, deadline = 0, math.inf
         while True:
             try:
@@ -340,27 +324,29 @@ class LeaseClient:
                 attempt += 1
 
 
-class HeldLease:
+class HeldLease(HeldLeaseBase):
     """A lease held for a ``with`` block and renewed in the background.
 
-    On entry the key is acquired (waiting up to ``wait``); the renewal worker then
-    renews it about every third of ``ttl``. On exit renewal stops, and the lease
-    is released unless it was completed or lost, also when the block raised (one
-    lost to a renewal refused otherwise than ``lost``, or answered with another
-    fencing token, is released too: the service may still hold it).
+    On entry the key is acquired (waiting up to ``wait``) and then renewed about every
+    third of ``ttl``. On exit renewal stops and the lease is released unless it was
+    completed or lost on the service's word (one lost for want of proof is released
+    too). A key already completed with this fingerprint gives ``completed`` true and
+    the stored ``result``, and is neither renewed nor released.
 
-    If the key was already completed with this fingerprint, ``completed`` is
-    true and ``result`` holds the stored result: nothing is renewed or released.
-
-    If ownership ends early (the service answers ``lost``, renewals keep failing
-    until the lease's expiry, or the key's lifecycle ends), ``lost`` is set,
-    ``lost_error`` says why, ``on_lost`` is called and a WARNING is logged; from
-    then on ``check()`` raises ``LeaseLost``. Call ``check()`` before each side
-    effect, and send ``fencing_token`` along with writes to the protected system.
-    In the async client ``lost`` is an asyncio event, and ``on_lost`` runs in a
-    task (the renewal task, or its own when ``check()`` finds the lease expired) that
+    If ownership ends early (the service answers ``lost``, renewals fail until the
+    expiry, the key's lifecycle ends), ``lost`` is set, ``lost_error`` says why,
+    ``on_lost`` is called and a WARNING logged; ``check()`` then raises ``LeaseLost``.
+    Call ``check()`` before each side effect and send ``fencing_token`` with writes. In
+    the async client ``lost`` is an asyncio event, and ``on_lost`` runs in a task that
     runs to its end even when the block is left meanwhile.
     """
+
+    _NAME = "HeldLease"
+    _BLOCK = "a with block"
+    #: Set once ownership ended without this object ending it.
+    lost: threading.Event
+    renewer: RenewalWorker | None
+    _client: LeaseClient
 
     def __init__(
         self,
@@ -374,69 +360,13 @@ class HeldLease:
         on_lost: OnLost | None,
         on_wait: OnWait | None,
     ) -> None:
-        if type(ttl) is not int:  # not a bool or None either: the renewal plan needs seconds
-            raise TypeError("ttl must be a whole number of seconds (an int)")
+        super().__init__(namespace, key, ttl, fingerprint, wait, on_lost, on_wait)
         self._client = client
-        self._namespace = namespace
-        self._key = key
-        self._ttl = ttl
-        self._fingerprint = fingerprint
-        self._wait = wait
-        self._on_lost = on_lost
-        self._on_wait = on_wait
-        #: Set once ownership ended without this object ending it.
         self.lost = threading.Event()
-        self.lost_error: LeaseLost | None = None
-        self.completed = False
-        self.result: Any = None
-        #: The latest grant (acquire, then each renewal); None until entered or if completed.
-        self.grant: Lease | None = None
-        self.completion: Completed | None = None
-        self.renewer: RenewalWorker | None = None
+        self.renewer = None
         # Serializes owner operations (renew, complete, release) between the block and
         # the renewal worker, so a renewal never lands after a complete or release.
         self._lock = threading.Lock()
-        # Makes "lost" once only when the renewal worker, its deadline and check() race
-        # (threads in the sync client); held for no await.
-        self._lost_lock = threading.Lock()
-        self._entered = False
-        self._ended = False  # this object ended ownership (completed, released, exited)
-        #: A complete's answer did not say whether it stored the result (``complete``).
-        self._unsure = False
-        #: Lost for want of proof, not on the service's word (a renewal refused otherwise
-        #: than ``lost``): the service may still hold it, so leaving releases it.
-        self._maybe_held = False
-
-    def __repr__(self) -> str:
-        state = (
-            "completed"
-            if self.completed
-            else "lost"
-            if self.lost.is_set()
-            else "ended"
-            if self._ended
-            else "held"
-            if self._entered
-            else "not entered"
-        )
-        grant, completion = self.grant, self.completion
-        fence = grant.fencing_token if grant else completion.fencing_token if completion else None
-        return f"<HeldLease {state} fencing_token={fence}>"
-
-    @property
-    def fencing_token(self) -> int:
-        """The fence to send with writes: this owner's, also after it completed.
-
-        A key found completed on entry has none for this worker, which never held
-        it and must not write: ``LeaseLost``, as from ``check()``, so that a write
-        guarded by the fence (``FenceGuard``) cannot pass with the completer's.
-        That one is ``completion.fencing_token``.
-        """
-        if self.grant is not None:
-            return self.grant.fencing_token
-        if self.completed:
-            raise LeaseLost(NOT_OWNED)
-        raise RuntimeError("the lease has not been acquired; use it in a with block")
 
     def __enter__(self) -> HeldLease:
         if self._entered:
@@ -502,41 +432,22 @@ class HeldLease:
                 self._client.release(self._namespace, self._key, self._token())
             except LeaseLost:
                 log.debug("the lease was no longer held at release")
-            except LeaseError as error:
+            except Exception as exc:  # a closed client too: the block's own exception goes on
+                why = exc.error if isinstance(exc, LeaseError) else type(exc).__name__
                 log.warning(
-                    "could not release the lease (%s); it expires by itself after its TTL",
-                    error.error,
-                )
-            except Exception as exc:  # a closed client: the block's own exception goes on
-                log.warning(
-                    "could not release the lease (%s); it expires by itself after its TTL",
-                    type(exc).__name__,
+                    "could not release the lease (%s); it expires by itself after its TTL", why
                 )
 
-    def check(self) -> None:
-        """Raise ``LeaseLost`` unless this lease is still held (by the local estimate)."""
-        if self.lost.is_set() and self.lost_error is not None:
-            raise LeaseLost(self.lost_error.error)
-        if self.completed:
-            raise LeaseLost("The work on this key is completed; there is no lease to hold")
-        if self._ended or not self._entered:
-            raise LeaseLost("The lease is not held (not entered, released or exited)")
-        renewer = self.renewer
-        if renewer is not None and renewer.plan.expired(self._client._monotonic()):
-            error = LeaseLost("The lease expired before a renewal succeeded")
-            if self._set_lost(error) and self._on_lost is not None:
-                self._call_on_lost(error)
-            raise LeaseLost(error.error)
+    def _on_lost_from_check(self, error: LeaseLost) -> None:
+        self._call_on_lost(error)  # check() is not a coroutine
 
     def complete(self, result: Any) -> Any:
         """Store ``result`` and end ownership for good; returns the stored (redacted) result.
 
-        A result over 32 KiB raises ``PayloadTooLarge`` and leaves the lease held
-        and renewed; a lost lease raises ``LeaseLost``. An error that does not say
-        whether the result was stored (the service unavailable or unreachable, a 500,
-        an answer that cannot be read) stops the renewals, as a renewal would be
-        answered lost if it was; call ``complete`` again, before the lease expires, to
-        find out: a result this owner stored is then returned, not refused.
+        Over 32 KiB: ``PayloadTooLarge``, the lease still held. An error that does not
+        say whether the result was stored (``unsure_complete``) stops the renewals (one
+        would be answered lost if it was); call ``complete`` again before the lease
+        expires to find out: a result this owner stored is then returned.
         """
         try:
             return self._complete(result, retried=self._unsure)
@@ -585,12 +496,9 @@ class HeldLease:
 
     def _stored_by_us(self) -> Completed | None:
         """After a retried complete answered ``lost``: the result an earlier attempt of
-        this owner stored (its answer lost on the way), or None.
-
-        Looked up as any worker would, with an acquire of the key and fingerprint: the
-        key completed with this owner's fence is ours. A key found free (this lease had
-        ended) is let go again at once, and one held by another owner is not ours. A
-        lookup that gets no answer (``unsure_complete``) raises: still unsure, not lost."""
+        this owner stored (its answer lost on the way), or None. Looked up with an
+        acquire, as any worker would: completed with this owner's fence is ours; a key
+        found free is let go again at once."""
         try:
             found = self._client.acquire(
                 self._namespace, self._key, ttl=1, fingerprint=self._fingerprint
@@ -617,17 +525,6 @@ class HeldLease:
 
     # -- for the renewal worker ------------------------------------------------------------------
 
-    def _renewal_stopped(self) -> bool:
-        """Whether renewal was told to stop (a renewal waiting for the lock then sends none),
-        or a ``complete`` may have stored the result (``_unsure``): a renewal would then be
-        answered lost, and report as lost a lease whose work is stored."""
-        return self._unsure or (self.renewer is not None and self.renewer.stopped)
-
-    def _token(self) -> str:
-        if self.grant is None:  # pragma: no cover - guarded by the callers
-            raise RuntimeError("the lease has not been acquired")
-        return self.grant.owner_token
-
     def _renew_for_worker(
         self,
         request_seconds: float,
@@ -647,18 +544,6 @@ class HeldLease:
                 raise Unproven(FENCE_CHANGED)
             self.grant = renewed
             return self.grant.ttl_seconds
-
-    def _set_lost(self, error: LeaseLost, *, maybe_held: bool = False) -> bool:
-        """Set ``lost`` and log a WARNING, once; whether this call did."""
-        with self._lost_lock:
-            if self.lost.is_set() or self._ended:
-                return False
-            self.lost_error = error
-            self._maybe_held = maybe_held
-            self.lost.set()
-        fence = self.grant.fencing_token if self.grant else 0
-        log.warning("lease lost (fencing token %d): %s", fence, error.error)
-        return True
 
     def _lost(self, error: LeaseLost, *, maybe_held: bool = False) -> None:
         """Ownership ended without us: set ``lost``, log a WARNING, call ``on_lost`` once.
