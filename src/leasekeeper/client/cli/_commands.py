@@ -27,7 +27,7 @@ import click
 from leasekeeper._core.validation import DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
 from leasekeeper._errors import LeaseError, LeaseHeld
 from leasekeeper.client._http import DEFAULT_TIMEOUT, DEFAULT_URL, decode
-from leasekeeper.client._results import Completed, Lease
+from leasekeeper.client._results import Completed, Lease, Released
 from leasekeeper.client._sync import LeaseClient
 from leasekeeper.client.cli._output import (
     EXIT_COMPLETED,
@@ -53,6 +53,7 @@ __all__ = [
     "read_target",
     "release_command",
     "renew_command",
+    "wait_option",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -322,22 +323,24 @@ class Progress:
         self.say(f"{why}; trying again in {delay:.1f} s (waited {waited:.0f} s of {limit})")
 
 
-def progress_option(function: F) -> F:
-    return click.option(
-        "--progress/--no-progress",
-        default=None,
-        help="Progress on stderr [default: when stderr is a terminal].",
-    )(function)
-
-
-def _ttl_option(function: F) -> F:
-    """``--ttl`` for acquire and renew: absent, the service's default applies."""
-    return click.option(
-        "--ttl",
-        type=click.IntRange(1, MAX_TTL_SECONDS),
-        default=None,
-        help=f"Lease seconds [{DEFAULT_TTL_SECONDS}].",
-    )(function)
+progress_option = click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Progress on stderr [default: when stderr is a terminal].",
+)
+#: ``--ttl`` for acquire and renew: absent, the service's default applies.
+_ttl_option = click.option(
+    "--ttl",
+    type=click.IntRange(1, MAX_TTL_SECONDS),
+    default=None,
+    help=f"Lease seconds [{DEFAULT_TTL_SECONDS}].",
+)
+wait_option = click.option(
+    "--wait",
+    type=Seconds(min=0),
+    default=0.0,
+    help="Seconds to wait while the key is held (inf: for ever) [0].",
+)
 
 
 @client_command("namespace")
@@ -357,12 +360,7 @@ def namespace_command(**options: Any) -> None:
 @key_options
 @fingerprint_options
 @_ttl_option
-@click.option(
-    "--wait",
-    type=Seconds(min=0),
-    default=0.0,
-    help="Seconds to wait while the key is held (inf: for ever) [0].",
-)
+@wait_option
 @progress_option
 def acquire_command(**options: Any) -> None:
     """Acquire a lease; prints the owner token (exit 0), or the stored result (exit 15)."""
@@ -398,14 +396,9 @@ def acquire_command(**options: Any) -> None:
 @_ttl_option
 def renew_command(**options: Any) -> None:
     """Move the lease's expiry (owner token from LEASEKEEPER_OWNER_TOKEN or a file)."""
-    target = read_target(options)
-    token = _owner_token(options, target.environ)
-    with target.client as client:
-        try:
-            lease = client.renew(target.namespace, target.key, token, ttl=options["ttl"])
-        except LeaseError as error:
-            fail(error)
-    print_json(lease.body)
+    _as_owner(
+        options, lambda client, ns, key, token: client.renew(ns, key, token, ttl=options["ttl"])
+    )
 
 
 @client_command("release")
@@ -414,14 +407,7 @@ def renew_command(**options: Any) -> None:
 @_owner_token_options
 def release_command(**options: Any) -> None:
     """End ownership now; the key can be acquired at once."""
-    target = read_target(options)
-    token = _owner_token(options, target.environ)
-    with target.client as client:
-        try:
-            released = client.release(target.namespace, target.key, token)
-        except LeaseError as error:
-            fail(error)
-    print_json(released.body)
+    _as_owner(options, lambda client, ns, key, token: client.release(ns, key, token))
 
 
 @client_command("complete")
@@ -446,11 +432,19 @@ def complete_command(**options: Any) -> None:
         result = decode(text)
     except ValueError as exc:
         raise click.UsageError(f"the result is not valid JSON: {exc}") from None
+    _as_owner(options, lambda client, ns, key, token: client.complete(ns, key, token, result))
+
+
+def _as_owner(
+    options: Mapping[str, Any], call: Callable[..., Lease | Released | Completed]
+) -> None:
+    """``call(client, namespace, key, owner_token)`` for the command's target; print its
+    body, or the error's and exit with its code."""
     target = read_target(options)
     token = _owner_token(options, target.environ)
     with target.client as client:
         try:
-            done = client.complete(target.namespace, target.key, token, result)
+            answer = call(client, target.namespace, target.key, token)
         except LeaseError as error:
             fail(error)
-    print_json(done.body)
+    print_json(answer.body)

@@ -35,6 +35,7 @@ from leasekeeper.client.cli._commands import (
     key_options,
     progress_option,
     read_target,
+    wait_option,
 )
 from leasekeeper.client.cli._output import (
     EXIT_LOST,
@@ -253,12 +254,7 @@ def _stored_status(result: Any) -> int:
     show_default=True,
     help="Lease seconds.",
 )
-@click.option(
-    "--wait",
-    type=Seconds(min=0),
-    default=0.0,
-    help="Seconds to wait while the key is held (inf: for ever) [0].",
-)
+@wait_option
 @click.option(
     "--complete",
     "record",
