@@ -52,10 +52,12 @@ SUBSTITUTIONS: list[tuple[str, str]] = [
     # Syntax.
     (r"\basync def\b", "def"),
     (r"\basync with\b", "with"),
+    (r"\basync for\b", "for"),
     (r"\bawait ", ""),
     (r"\b__aenter__\b", "__enter__"),
     (r"\b__aexit__\b", "__exit__"),
     (r"\baclose\b", "close"),
+    (r"\baiter_bytes\b", "iter_bytes"),
     # A callback the async client awaits when it returns an awaitable is simply called.
     (r"\basync_(?:notify|call_soon)\(([\w.]+), ", r"\1("),
     # Names: AsyncX is X, async_x is x (the twins in _http and _renewer).

@@ -1,4 +1,4 @@
-"""The clients' HTTP: URLs, request bodies, one POST (``post``, ``async_post``), its answer.
+"""What the sync and async clients share of HTTP: URLs, request bodies, reading an answer.
 
 Every response goes through ``read_response``: a 2xx JSON object with ``ok`` is
 returned, anything else becomes an exception of the one tree through
@@ -9,8 +9,9 @@ returned, anything else becomes an exception of the one tree through
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -31,18 +32,19 @@ __all__ = [
     "DEFAULT_URL",
     "HEADERS",
     "MAX_RESPONSE_BYTES",
+    "AsyncBodyReader",
     "BodyReader",
     "api_root",
-    "async_post",
+    "async_within",
     "decode",
     "encode",
     "http_root",
     "lease_body",
-    "post",
     "read_response",
     "renewal_timeout",
     "route_prefix",
     "unreachable",
+    "within",
 ]
 
 BASE_PATH = "/services/v1"
@@ -218,12 +220,12 @@ def _retry_after(response: httpx.Response) -> int | None:
 class BodyReader:
     """Gathers a response body as it arrives, chunk by chunk: ``InternalError``
     for a compressed one (``HEADERS`` asks for none) or past ``MAX_RESPONSE_BYTES``, and
-    ``ServiceUnreachable`` for a chunk that arrives after ``deadline`` (``monotonic``
-    seconds; None: no deadline). httpx's timeout bounds each read, not the whole body: a
-    server sending a byte at a time would hold the caller for as long as it likes."""
+    ``ServiceUnreachable`` for a chunk that arrives more than ``limit`` seconds from now
+    (None: no limit). httpx's timeout bounds each read, not the whole body: a server
+    sending a byte at a time would hold the caller for as long as it likes."""
 
-    def __init__(self, deadline: float | None, monotonic: Callable[[], float]) -> None:
-        self._deadline = deadline
+    def __init__(self, limit: float | None, monotonic: Callable[[], float]) -> None:
+        self._deadline = None if limit is None else monotonic() + limit
         self._monotonic = monotonic
         self._parts: list[bytes] = []
         self._size = 0
@@ -251,6 +253,30 @@ class BodyReader:
         return b"".join(self._parts)
 
 
+class AsyncBodyReader(BodyReader):
+    """``BodyReader`` for the async client, whose ``async_within`` bounds the whole
+    exchange: no limit of its own."""
+
+    def __init__(self, limit: float | None, monotonic: Callable[[], float]) -> None:
+        super().__init__(None, monotonic)
+
+
+def within(limit: float | None) -> contextlib.nullcontext[None]:
+    """The sync twin of ``async_within``: nothing (``BodyReader`` keeps the limit)."""
+    return contextlib.nullcontext()
+
+
+@contextlib.asynccontextmanager
+async def async_within(limit: float | None) -> AsyncIterator[None]:
+    """Bound a whole exchange, the response's head included, to ``limit`` seconds (None:
+    no bound): ``ServiceUnreachable`` when it is not over by then."""
+    try:
+        async with asyncio.timeout(limit):
+            yield
+    except TimeoutError:
+        raise ServiceUnreachable("The lease service's answer did not arrive in time") from None
+
+
 def read_response(response: httpx.Response, content: bytes) -> dict[str, Any]:
     """The body of a successful response (its ``content`` read by a ``BodyReader``), or
     raise the error the response describes."""
@@ -274,66 +300,3 @@ def unreachable(exc: httpx.RequestError) -> LeaseError:
     """The error for a request that got no answer, or none that could be read (a body
     that does not decode, endless redirects); the URL stays out of the message."""
     return ServiceUnreachable(f"Could not reach the lease service ({type(exc).__name__})")
-
-
-def post(
-    http: httpx.Client,
-    url: str,
-    content: bytes,
-    *,
-    limit: float | None,
-    httpx_timeout: float | None,
-    monotonic: Callable[[], float],
-) -> dict[str, Any]:
-    """POST ``content`` (JSON) to ``url`` and return the answer's body (``read_response``).
-
-    ``limit``: seconds the whole answer may take to arrive, checked as each chunk of the
-    body arrives (None: httpx's own timeout only, which bounds each read).
-    ``httpx_timeout``: httpx's timeout for this request (None: the client's).
-    """
-    reader = BodyReader(None if limit is None else monotonic() + limit, monotonic)
-    try:
-        if httpx_timeout is None:
-            streamed = http.stream("POST", url, content=content, headers=HEADERS)
-        else:
-            streamed = http.stream(
-                "POST", url, content=content, headers=HEADERS, timeout=httpx_timeout
-            )
-        with streamed as response:
-            if reader.start(response):  # never an encoded body: nothing is inflated
-                for chunk in response.iter_bytes():
-                    reader.add(chunk)
-    except httpx.RequestError as exc:  # no answer, or none that could be read
-        raise unreachable(exc) from exc
-    return read_response(response, reader.content())
-
-
-async def async_post(
-    http: httpx.AsyncClient,
-    url: str,
-    content: bytes,
-    *,
-    limit: float | None,
-    httpx_timeout: float | None,
-    monotonic: Callable[[], float],
-) -> dict[str, Any]:
-    """``post`` for the async client: ``limit`` bounds the whole exchange, the response's
-    head included, with ``asyncio.timeout``."""
-    reader = BodyReader(None, monotonic)
-    try:
-        async with asyncio.timeout(limit):
-            if httpx_timeout is None:
-                streamed = http.stream("POST", url, content=content, headers=HEADERS)
-            else:
-                streamed = http.stream(
-                    "POST", url, content=content, headers=HEADERS, timeout=httpx_timeout
-                )
-            async with streamed as response:
-                if reader.start(response):  # never an encoded body: nothing is inflated
-                    async for chunk in response.aiter_bytes():
-                        reader.add(chunk)
-    except httpx.RequestError as exc:  # no answer, or none that could be read
-        raise unreachable(exc) from exc
-    except TimeoutError:
-        raise ServiceUnreachable("The lease service's answer did not arrive in time") from None
-    return read_response(response, reader.content())

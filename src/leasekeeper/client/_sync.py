@@ -36,12 +36,16 @@ from leasekeeper.client._common import (
 )
 from leasekeeper.client._http import (
     DEFAULT_TIMEOUT,
+    HEADERS,
+    BodyReader,
     encode,
     http_root,
     lease_body,
-    post,
+    read_response,
     renewal_timeout,
     route_prefix,
+    unreachable,
+    within,
 )
 from leasekeeper.client._renewer import (
     RenewalWorker,
@@ -69,15 +73,12 @@ P = ParamSpec("P")
 
 
 class LeaseClient:
-    """A client for the leasekeeper HTTP API.
+    """A client for the leasekeeper HTTP API (the README's "Python client" says it all).
 
-    ``LeaseClient("http://127.0.0.1:8787")`` opens its own ``httpx.Client``;
-    pass ``client=`` to use yours (its ``base_url`` applies when ``base_url`` is not
-    given) or ``transport=`` to put any ``httpx`` transport underneath. A refusal raises
-    the matching exception of ``leasekeeper``'s one tree (``LeaseHeld``, ``LeaseLost``,
-    ...); a request that gets no answer raises ``ServiceUnreachable``. ``monotonic``,
-    ``event_factory``, ``thread_factory`` and ``random`` drive waiting and renewal (tests
-    replace them).
+    It opens its own ``httpx.Client`` unless given ``client=`` (whose ``base_url``
+    applies when ``base_url`` is not given) or ``transport=``. A refusal raises the
+    matching exception of ``leasekeeper``'s one tree; no answer, ``ServiceUnreachable``.
+    ``monotonic``, ``event_factory``, ``thread_factory`` and ``random`` are for tests.
     """
 
     def __init__(
@@ -129,19 +130,29 @@ class LeaseClient:
         self, route: str, body: dict[str, Any], request_seconds: float | None = None
     ) -> dict[str, Any]:
         content = encode(body)
+        url = self._prefix + route
         # Timeouts only on our own client: an injected one keeps its settings (Starlette's
-        # TestClient, for one, refuses a per-request timeout).
+        # TestClient, for one, refuses a per-request timeout). The request's time bounds
+        # the whole answer's arrival too, not only each read.
         seconds = self.timeout if request_seconds is None else request_seconds
         owned = self._owns_http
-        bounded = owned and isinstance(seconds, int | float)  # not None, nor an httpx.Timeout
-        return post(
-            self._http,
-            self._prefix + route,
-            content,
-            limit=seconds if bounded else None,
-            httpx_timeout=request_seconds if owned else None,
-            monotonic=self._monotonic,
-        )
+        limit = seconds if owned and isinstance(seconds, int | float) else None  # no Timeout
+        reader = BodyReader(limit, self._monotonic)
+        try:
+            with within(limit):
+                if request_seconds is None or not owned:
+                    streamed = self._http.stream("POST", url, content=content, headers=HEADERS)
+                else:
+                    streamed = self._http.stream(
+                        "POST", url, content=content, headers=HEADERS, timeout=request_seconds
+                    )
+                with streamed as response:
+                    if reader.start(response):  # never an encoded body: nothing is inflated
+                        for chunk in response.iter_bytes():
+                            reader.add(chunk)
+        except httpx.RequestError as exc:  # no answer, or none that could be read
+            raise unreachable(exc) from exc
+        return read_response(response, reader.content())
 
     def create_namespace(self) -> str:
         """Mint a namespace: a 256-bit bearer secret. Keep it; nobody can recover it."""
@@ -263,16 +274,12 @@ class LeaseClient:
         on_lost: OnLost | None = None,
     ) -> Callable[[Callable[P, Any]], Callable[P, Any]]:
         """Run the decorated function (in the async client, a coroutine function) at most
-        once per key and fingerprint, across workers.
+        once per key and fingerprint, across workers; every caller gets the stored result.
 
-        ``key`` and ``fingerprint`` are values or functions of the call's arguments. The
-        first caller holds the lease while the function runs and stores its JSON return
-        value; every caller gets the *stored* (redacted) result. Others wait while the key
-        is held (by default for ever); if the function raises, the next caller runs it.
-        Inside it ``current_lease()`` is its lease: ``check()`` it before side effects and
-        send its ``fencing_token`` with writes. A ``complete`` whose answer does not say
-        whether it stored the result is tried again while the lease is held; a value that
-        cannot be stored (``TypeError``, ``PayloadTooLarge``) raises after the function ran.
+        ``key`` and ``fingerprint`` are values or functions of the call's arguments.
+        Others wait while the key is held (by default for ever); if the function raises,
+        the next caller runs it. Inside it ``current_lease()`` is its lease. A
+        ``complete`` whose answer does not say whether it stored the result is retried.
         """
 
         def decorate(function: Callable[P, Any]) -> Callable[P, Any]:
@@ -325,20 +332,14 @@ class LeaseClient:
 
 
 class HeldLease(HeldLeaseBase):
-    """A lease held for a ``with`` block and renewed in the background.
+    """A lease held for a ``with`` block: acquired on entry, renewed about every
+    third of ``ttl``, released on exit unless completed or lost on the service's word.
 
-    On entry the key is acquired (waiting up to ``wait``) and then renewed about every
-    third of ``ttl``. On exit renewal stops and the lease is released unless it was
-    completed or lost on the service's word (one lost for want of proof is released
-    too). A key already completed with this fingerprint gives ``completed`` true and
-    the stored ``result``, and is neither renewed nor released.
-
-    If ownership ends early (the service answers ``lost``, renewals fail until the
-    expiry, the key's lifecycle ends), ``lost`` is set, ``lost_error`` says why,
-    ``on_lost`` is called and a WARNING logged; ``check()`` then raises ``LeaseLost``.
-    Call ``check()`` before each side effect and send ``fencing_token`` with writes. In
-    the async client ``lost`` is an asyncio event, and ``on_lost`` runs in a task that
-    runs to its end even when the block is left meanwhile.
+    A key already completed with this fingerprint gives ``completed`` and the stored
+    ``result``. If ownership ends early, ``lost`` is set, ``lost_error`` says why,
+    ``on_lost`` is called and ``check()`` raises ``LeaseLost``: call it before each side
+    effect, and send ``fencing_token`` with writes (the README's "How the client behaves"
+    says every case).
     """
 
     _NAME = "HeldLease"
@@ -443,12 +444,8 @@ class HeldLease(HeldLeaseBase):
 
     def complete(self, result: Any) -> Any:
         """Store ``result`` and end ownership for good; returns the stored (redacted) result.
-
-        Over 32 KiB: ``PayloadTooLarge``, the lease still held. An error that does not
-        say whether the result was stored (``unsure_complete``) stops the renewals (one
-        would be answered lost if it was); call ``complete`` again before the lease
-        expires to find out: a result this owner stored is then returned.
-        """
+        After an error that does not say whether it was stored (``unsure_complete``),
+        renewals stop: call ``complete`` again before the lease expires to find out."""
         try:
             return self._complete(result, retried=self._unsure)
         except LeaseError as error:
