@@ -339,7 +339,7 @@ class AsyncLeaseClient:
                 attempt += 1
 
 
-class AsyncHeldLease(HeldLeaseBase):
+class AsyncHeldLease(HeldLeaseBase["AsyncLeaseClient"]):
     """A lease held for an ``async with`` block: acquired on entry, renewed about every
     third of ``ttl``, released on exit unless completed or lost on the service's word.
 
@@ -352,30 +352,11 @@ class AsyncHeldLease(HeldLeaseBase):
 
     _NAME = "AsyncHeldLease"
     _BLOCK = "an async with block"
-    #: Set once ownership ended without this object ending it.
+    _EVENT = asyncio.Event
+    _LOCK = asyncio.Lock
     lost: asyncio.Event
     renewer: AsyncRenewalWorker | None
-    _client: AsyncLeaseClient
-
-    def __init__(
-        self,
-        client: AsyncLeaseClient,
-        namespace: str | None,
-        key: str,
-        *,
-        ttl: int,
-        fingerprint: str | None,
-        wait: Wait,
-        on_lost: OnLost | None,
-        on_wait: OnWait | None,
-    ) -> None:
-        super().__init__(namespace, key, ttl, fingerprint, wait, on_lost, on_wait)
-        self._client = client
-        self.lost = asyncio.Event()
-        self.renewer = None
-        # Serializes owner operations (renew, complete, release) between the block and
-        # the renewal worker, so a renewal never lands after a complete or release.
-        self._lock = asyncio.Lock()
+    _lock: asyncio.Lock
 
     async def __aenter__(self) -> AsyncHeldLease:
         if self._entered:

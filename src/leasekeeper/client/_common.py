@@ -87,11 +87,9 @@ def async_call_soon(function: Callable[..., Coroutine[Any, Any, None]], *args: o
 
 def unsure_complete(error: LeaseError) -> bool:
     """Whether a ``complete`` that raised ``error`` may be tried again: an answer that is
-    not the service's decision on it. A passing refusal (503 or no answer at all, 429,
-    408), a fault of the service (a 500, a 2xx that cannot be read), or a 409 in none of
-    the service's words (a proxy's page). Any of them may have come after the result was
-    stored; the retry is then answered ``lost`` and finds the result its own
-    (``_stored_by_us``), so retrying is safe, and the work is not done again."""
+    not the service's decision (503 or none, 429, 408, a 500, an unreadable 2xx, a 409 not
+    in the service's words). It may have come after the result was stored: the retry is
+    then answered ``lost`` and finds the result its own (``_stored_by_us``)."""
     return isinstance(error, (ServerError, RateLimited, RequestTimeout)) or (
         type(error) is LeaseConflict
     )
@@ -155,22 +153,32 @@ NOT_OWNED = (
 )
 
 
-class HeldLeaseBase:
-    """The state of a held lease and what reads or marks it without waiting: shared by
-    ``AsyncHeldLease`` and ``HeldLease``, which add their event (``lost``), owner lock,
-    renewal worker, client, and how ``on_lost`` is called from ``check()``."""
+ClientT = TypeVar("ClientT", bound="LeaseClient | AsyncLeaseClient")
 
+
+class HeldLeaseBase(Generic[ClientT]):
+    """The state of a held lease and what reads or marks it without waiting: shared by
+    ``AsyncHeldLease`` and ``HeldLease``, which name their event, lock and worker types
+    and say how ``on_lost`` is called from ``check()``."""
+
+    #: Set once ownership ended without this object ending it.
     lost: threading.Event | asyncio.Event
     renewer: RenewalWorker | AsyncRenewalWorker | None
-    _client: LeaseClient | AsyncLeaseClient
+    #: Serializes owner operations (renew, complete, release) between the block and the
+    #: renewal worker, so a renewal never lands after a complete or release.
+    _lock: threading.Lock | asyncio.Lock
+    _EVENT: ClassVar[Callable[[], threading.Event | asyncio.Event]]
+    _LOCK: ClassVar[Callable[[], threading.Lock | asyncio.Lock]]
     #: The class's name, and the block it is used in, for ``repr`` and errors.
     _NAME: ClassVar[str]
     _BLOCK: ClassVar[str]
 
     def __init__(
         self,
+        client: ClientT,
         namespace: str | None,
         key: str,
+        *,
         ttl: int,
         fingerprint: str | None,
         wait: Wait,
@@ -179,6 +187,7 @@ class HeldLeaseBase:
     ) -> None:
         if type(ttl) is not int:  # not a bool or None either: the renewal plan needs seconds
             raise TypeError("ttl must be a whole number of seconds (an int)")
+        self._client = client
         self._namespace = namespace
         self._key = key
         self._ttl = ttl
@@ -186,12 +195,15 @@ class HeldLeaseBase:
         self._wait = wait
         self._on_lost = on_lost
         self._on_wait = on_wait
+        self.lost = type(self)._EVENT()
         self.lost_error: LeaseLost | None = None
         self.completed = False
         self.result: Any = None
         #: The latest grant (acquire, then each renewal); None until entered or if completed.
         self.grant: Lease | None = None
         self.completion: Completed | None = None
+        self.renewer = None
+        self._lock = type(self)._LOCK()
         # Makes "lost" once only when the renewal worker, its deadline and check() race
         # (threads in the sync client); held for no await.
         self._lost_lock = threading.Lock()

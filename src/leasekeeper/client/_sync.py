@@ -331,7 +331,7 @@ class LeaseClient:
                 attempt += 1
 
 
-class HeldLease(HeldLeaseBase):
+class HeldLease(HeldLeaseBase["LeaseClient"]):
     """A lease held for a ``with`` block: acquired on entry, renewed about every
     third of ``ttl``, released on exit unless completed or lost on the service's word.
 
@@ -344,30 +344,11 @@ class HeldLease(HeldLeaseBase):
 
     _NAME = "HeldLease"
     _BLOCK = "a with block"
-    #: Set once ownership ended without this object ending it.
+    _EVENT = threading.Event
+    _LOCK = threading.Lock
     lost: threading.Event
     renewer: RenewalWorker | None
-    _client: LeaseClient
-
-    def __init__(
-        self,
-        client: LeaseClient,
-        namespace: str | None,
-        key: str,
-        *,
-        ttl: int,
-        fingerprint: str | None,
-        wait: Wait,
-        on_lost: OnLost | None,
-        on_wait: OnWait | None,
-    ) -> None:
-        super().__init__(namespace, key, ttl, fingerprint, wait, on_lost, on_wait)
-        self._client = client
-        self.lost = threading.Event()
-        self.renewer = None
-        # Serializes owner operations (renew, complete, release) between the block and
-        # the renewal worker, so a renewal never lands after a complete or release.
-        self._lock = threading.Lock()
+    _lock: threading.Lock
 
     def __enter__(self) -> HeldLease:
         if self._entered:
