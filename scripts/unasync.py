@@ -95,8 +95,11 @@ def generate(source: str) -> tuple[str, list[str]]:
     assert isinstance(docstring, ast.Expr) and docstring.end_lineno is not None
     lines = source.splitlines(keepends=True)
     source = DOCSTRING + "".join(lines[docstring.end_lineno :])
-    source = _ruff(["check", "--fix-only", "--select", "F401,I"], source)
-    return _ruff(["format"], source), unused
+    # Without the async side's trailing commas: what renaming made short fits one line.
+    compact = ["--config", "format.skip-magic-trailing-comma=true"]
+    compact += ["--config", "lint.isort.split-on-trailing-comma=false"]
+    source = _ruff(["check", "--fix-only", "--select", "F401,I", *compact], source)
+    return _ruff(["format", *compact], source), unused
 
 
 def main() -> int:

@@ -138,8 +138,7 @@ class AsyncLeaseClient:
         content = encode(body)
         url = self._prefix + route
         # Timeouts only on our own client: an injected one keeps its settings (Starlette's
-        # TestClient, for one, refuses a per-request timeout). The request's time bounds
-        # the whole answer's arrival too, not only each read.
+        # TestClient refuses a per-request timeout). They bound the whole answer's arrival.
         seconds = self.timeout if request_seconds is None else request_seconds
         owned = self._owns_http
         limit = seconds if owned and isinstance(seconds, int | float) else None  # no Timeout
@@ -175,11 +174,8 @@ class AsyncLeaseClient:
         on_wait: OnWait | None = None,
     ) -> Lease | Completed:
         """Take the lease on ``key``: a ``Lease`` (yours now) or the ``Completed`` result.
-
-        With ``wait`` (seconds, a ``timedelta`` or ``math.inf``) a held key, a rate limit
-        or an unavailable service is retried with backoff until the wait is over, then
-        the last error raised; ``on_wait(error, delay)`` is told before each pause.
-        """
+        With ``wait`` (seconds, a ``timedelta``, ``math.inf``) a held key, a rate limit or
+        an outage is retried with backoff; ``on_wait(error, delay)`` is told of each pause."""
         outcome, _ = await self._acquire(namespace, key, ttl, fingerprint, wait, on_wait)
         return outcome
 
@@ -345,9 +341,8 @@ class AsyncHeldLease(HeldLeaseBase["AsyncLeaseClient"]):
 
     A key already completed with this fingerprint gives ``completed`` and the stored
     ``result``. If ownership ends early, ``lost`` is set, ``lost_error`` says why,
-    ``on_lost`` is called and ``check()`` raises ``LeaseLost``: call it before each side
-    effect, and send ``fencing_token`` with writes (the README's "How the client behaves"
-    says every case).
+    ``on_lost`` is called and ``check()`` raises ``LeaseLost`` (the README's "How the
+    client behaves" says every case).
     """
 
     _NAME = "AsyncHeldLease"
@@ -443,9 +438,8 @@ class AsyncHeldLease(HeldLeaseBase["AsyncLeaseClient"]):
             raise
 
     async def _complete(self, result: Any, *, retried: bool) -> Any:
-        """``complete``; ``retried`` when an earlier attempt's answer was lost, so that it
-        may have stored the result: then the service decides (no local check first), and
-        a ``lost`` is looked into (``_stored_by_us``) before it is believed."""
+        """``complete``; ``retried`` when an earlier attempt may have stored the result:
+        no local check first, and a ``lost`` is looked into (``_stored_by_us``)."""
         if not retried:
             self.check()
         unsure: LeaseError | None = None
@@ -481,10 +475,9 @@ class AsyncHeldLease(HeldLeaseBase["AsyncLeaseClient"]):
         return self.result
 
     async def _stored_by_us(self) -> Completed | None:
-        """After a retried complete answered ``lost``: the result an earlier attempt of
-        this owner stored (its answer lost on the way), or None. Looked up with an
-        acquire, as any worker would: completed with this owner's fence is ours; a key
-        found free is let go again at once."""
+        """The result an earlier attempt of this owner stored, or None, after a retried
+        complete answered ``lost``: looked up with an acquire (a key found free is let go
+        again at once)."""
         try:
             found = await self._client.acquire(
                 self._namespace, self._key, ttl=1, fingerprint=self._fingerprint

@@ -11,7 +11,7 @@ import logging
 import threading
 from collections.abc import Callable, Coroutine
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from leasekeeper._errors import (
     LeaseConflict,
@@ -37,6 +37,7 @@ __all__ = [
     "ONCE_LEASE",
     "UNSURE_COMPLETE",
     "WAITABLE",
+    "ClientT",
     "HeldLeaseBase",
     "OnLost",
     "OnWait",
@@ -51,14 +52,12 @@ __all__ = [
 
 log = logging.getLogger("leasekeeper.client")
 
-#: ``on_wait(error, delay_seconds)``: told before each wait for a held key. The async
-#: client awaits what it returns when that is awaitable (a coroutine function's call).
+#: ``on_wait(error, delay_seconds)``, told before each wait, and ``on_lost(error)``, told
+#: once when a held lease is lost; the async client awaits what they return if it can.
 OnWait = Callable[[LeaseError, float], object]
-#: ``on_lost(error)``: told once when a held lease is lost; awaited as ``on_wait`` is.
 OnLost = Callable[[LeaseLost], object]
 Wait = float | timedelta | None
 
-#: What ``acquire`` waits through when it may wait: held keys and passing faults.
 #: What ``wait=`` retries: a held key, a busy or unavailable service, a request the
 #: service did not receive in time (408).
 WAITABLE = (LeaseHeld, RateLimited, ServiceUnavailable, RequestTimeout)
@@ -102,9 +101,8 @@ ONCE_LEASE: contextvars.ContextVar[HeldLease | AsyncHeldLease] = contextvars.Con
 
 
 def current_lease() -> HeldLease | AsyncHeldLease:
-    """The lease held for the ``once``-decorated function running now (in this thread,
-    or this task and the tasks it starts): call its ``check()`` before a side effect and
-    send its ``fencing_token`` with writes. ``LookupError`` outside such a function."""
+    """The lease held for the ``once``-decorated function running now (in this thread, or
+    this task and the tasks it starts); ``LookupError`` outside such a function."""
     try:
         return ONCE_LEASE.get()
     except LookupError:
@@ -157,9 +155,8 @@ ClientT = TypeVar("ClientT", bound="LeaseClient | AsyncLeaseClient")
 
 
 class HeldLeaseBase(Generic[ClientT]):
-    """The state of a held lease and what reads or marks it without waiting: shared by
-    ``AsyncHeldLease`` and ``HeldLease``, which name their event, lock and worker types
-    and say how ``on_lost`` is called from ``check()``."""
+    """The state of a held lease and what reads or marks it without waiting, for both
+    clients' held leases (each names its types and how ``check()`` calls ``on_lost``)."""
 
     #: Set once ownership ended without this object ending it.
     lost: threading.Event | asyncio.Event

@@ -47,12 +47,7 @@ from leasekeeper.client._http import (
     unreachable,
     within,
 )
-from leasekeeper.client._renewer import (
-    RenewalWorker,
-    ThreadFactory,
-    Unproven,
-    Waiter,
-)
+from leasekeeper.client._renewer import RenewalWorker, ThreadFactory, Unproven, Waiter
 from leasekeeper.client._results import (
     Completed,
     Lease,
@@ -132,8 +127,7 @@ class LeaseClient:
         content = encode(body)
         url = self._prefix + route
         # Timeouts only on our own client: an injected one keeps its settings (Starlette's
-        # TestClient, for one, refuses a per-request timeout). The request's time bounds
-        # the whole answer's arrival too, not only each read.
+        # TestClient refuses a per-request timeout). They bound the whole answer's arrival.
         seconds = self.timeout if request_seconds is None else request_seconds
         owned = self._owns_http
         limit = seconds if owned and isinstance(seconds, int | float) else None  # no Timeout
@@ -169,11 +163,8 @@ class LeaseClient:
         on_wait: OnWait | None = None,
     ) -> Lease | Completed:
         """Take the lease on ``key``: a ``Lease`` (yours now) or the ``Completed`` result.
-
-        With ``wait`` (seconds, a ``timedelta`` or ``math.inf``) a held key, a rate limit
-        or an unavailable service is retried with backoff until the wait is over, then
-        the last error raised; ``on_wait(error, delay)`` is told before each pause.
-        """
+        With ``wait`` (seconds, a ``timedelta``, ``math.inf``) a held key, a rate limit or
+        an outage is retried with backoff; ``on_wait(error, delay)`` is told of each pause."""
         outcome, _ = self._acquire(namespace, key, ttl, fingerprint, wait, on_wait)
         return outcome
 
@@ -337,9 +328,8 @@ class HeldLease(HeldLeaseBase["LeaseClient"]):
 
     A key already completed with this fingerprint gives ``completed`` and the stored
     ``result``. If ownership ends early, ``lost`` is set, ``lost_error`` says why,
-    ``on_lost`` is called and ``check()`` raises ``LeaseLost``: call it before each side
-    effect, and send ``fencing_token`` with writes (the README's "How the client behaves"
-    says every case).
+    ``on_lost`` is called and ``check()`` raises ``LeaseLost`` (the README's "How the
+    client behaves" says every case).
     """
 
     _NAME = "HeldLease"
@@ -435,9 +425,8 @@ class HeldLease(HeldLeaseBase["LeaseClient"]):
             raise
 
     def _complete(self, result: Any, *, retried: bool) -> Any:
-        """``complete``; ``retried`` when an earlier attempt's answer was lost, so that it
-        may have stored the result: then the service decides (no local check first), and
-        a ``lost`` is looked into (``_stored_by_us``) before it is believed."""
+        """``complete``; ``retried`` when an earlier attempt may have stored the result:
+        no local check first, and a ``lost`` is looked into (``_stored_by_us``)."""
         if not retried:
             self.check()
         unsure: LeaseError | None = None
@@ -473,10 +462,9 @@ class HeldLease(HeldLeaseBase["LeaseClient"]):
         return self.result
 
     def _stored_by_us(self) -> Completed | None:
-        """After a retried complete answered ``lost``: the result an earlier attempt of
-        this owner stored (its answer lost on the way), or None. Looked up with an
-        acquire, as any worker would: completed with this owner's fence is ours; a key
-        found free is let go again at once."""
+        """The result an earlier attempt of this owner stored, or None, after a retried
+        complete answered ``lost``: looked up with an acquire (a key found free is let go
+        again at once)."""
         try:
             found = self._client.acquire(
                 self._namespace, self._key, ttl=1, fingerprint=self._fingerprint
@@ -504,9 +492,7 @@ class HeldLease(HeldLeaseBase["LeaseClient"]):
     # -- for the renewal worker ------------------------------------------------------------------
 
     def _renew_for_worker(
-        self,
-        request_seconds: float,
-        deadline: Callable[[], AbstractContextManager[object]],
+        self, request_seconds: float, deadline: Callable[[], AbstractContextManager[object]]
     ) -> int | None:
         """Renew once for the worker; the granted TTL, or None if the lease is over. The
         request is sent inside ``deadline()``, entered once the lock is held (a slow

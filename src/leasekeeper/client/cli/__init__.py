@@ -1,9 +1,8 @@
 """The client commands of ``leasekeeper``: namespace, acquire, renew, release, complete, run.
 
-A thin layer over ``LeaseClient``: ``_options`` reads what a command is given (never a
-secret on the command line), ``_output`` prints the service's JSON and picks the exit
-code, ``_commands`` holds the five one-call commands and ``_run`` the ``run`` command and
-its process group. ``leasekeeper.cli`` adds ``CLIENT_COMMANDS`` to its ``main`` group.
+A thin layer over ``LeaseClient``: ``_commands`` holds the options and the five one-call
+commands, ``_output`` what they print and their exit codes, ``_run`` the ``run`` command
+and its process group. ``leasekeeper.cli`` adds ``CLIENT_COMMANDS`` to its ``main``.
 """
 
 from leasekeeper.client.cli._commands import (

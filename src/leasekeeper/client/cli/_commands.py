@@ -1,13 +1,10 @@
 """The one-call client commands (namespace, acquire, renew, release, complete) and the
 options every client command takes.
 
-Each command parses its options, makes one call, prints the service's JSON body on
-stdout and exits with the code of its outcome (``_output``). Secrets never go on the
-command line, where ``ps`` would show them: the namespace and owner token come from
-environment variables (``LEASEKEEPER_NAMESPACE``, ``LEASEKEEPER_OWNER_TOKEN`` by default,
-or ``--namespace-env NAME``) or files (``--namespace-file PATH``, ``-`` for stdin). A
-file may hold the bare value or the JSON that ``leasekeeper namespace`` /
-``leasekeeper acquire`` printed.
+Each command parses its options, makes one call, prints the service's JSON body and
+exits with the code of its outcome (``_output``). Secrets never go on the command line,
+where ``ps`` would show them: they come from environment variables or files (``-``:
+stdin), as the README's "Command line" says.
 """
 
 from __future__ import annotations
@@ -154,9 +151,8 @@ def key_options(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _read_file(path: str, option: str, *, exact: bool = False) -> str:
-    """The file's text (``-``: stdin's), without its surrounding whitespace; ``exact``
-    (for keys and fingerprints, which may begin or end with spaces) drops only one
-    line ending at the end, so that the value is the one ``--key`` would give."""
+    """The file's text (``-``: stdin's) without its surrounding whitespace; ``exact`` (keys
+    and fingerprints) drops only a final line ending, giving the value ``--key`` would."""
     if path == "-":
         if sys.stdin is None:  # started with fd 0 closed
             raise click.UsageError(f"{option}: cannot read the file (stdin is closed)")
@@ -178,11 +174,9 @@ def _read_file(path: str, option: str, *, exact: bool = False) -> str:
 
 
 def _read_stdin() -> str:
-    """Stdin's text, as UTF-8 like a file's, whatever the locale says: JSON is UTF-8, and a
-    key read in the locale's encoding (Latin-1, say) would be another key than the same
-    bytes in a file, and a result would be stored garbled ("rÃ©sumÃ©"). A byte-order mark
-    at the start is dropped, from a file too (Notepad writes one): it would make another
-    key, as the service ignores one before a body."""
+    """Stdin's text, as UTF-8 like a file's, whatever the locale says: read in Latin-1, say,
+    a key would be another than the same bytes in a file, a result stored garbled. A
+    leading byte-order mark is dropped, as from a file (Notepad writes one)."""
     raw = getattr(sys.stdin, "buffer", None)
     if raw is None:  # a text-only stream put in its place
         return sys.stdin.read().removeprefix("\ufeff")
@@ -200,14 +194,12 @@ def _secret(
     required: bool,
 ) -> str | None:
     """One value from ``--NAME``, ``--NAME-env`` or ``--NAME-file`` (at most one given)."""
-    plain = options.get(name.replace("-", "_"))
-    env_name = options.get(f"{name.replace('-', '_')}_env")
-    path = options.get(f"{name.replace('-', '_')}_file")
-    given = [v for v in (plain, env_name, path) if v is not None]
-    if len(given) > 1:
-        ways = [f"--{name}"] if name.replace("-", "_") in options else []
-        ways += [f"--{name}-env", f"--{name}-file"]
-        raise click.UsageError(f"give the {name} one way only ({', '.join(ways)})")
+    attr = name.replace("-", "_")
+    plain, env_name, path = (options.get(attr + end) for end in ("", "_env", "_file"))
+    plain_way = [f"--{name}"] if attr in options else []  # none for a secret
+    if sum(value is not None for value in (plain, env_name, path)) > 1:
+        ways = ", ".join([*plain_way, f"--{name}-env", f"--{name}-file"])
+        raise click.UsageError(f"give the {name} one way only ({ways})")
     if plain is not None:
         return str(plain)
     if env_name is not None:
@@ -235,20 +227,16 @@ def _secret(
     if default_env is not None and environ.get(default_env):
         return environ[default_env]
     if required:
-        ways = ([f"--{name}"] if name.replace("-", "_") in options else []) + [
-            f"--{name}-env NAME",
-            f"--{name}-file PATH",
-        ]
+        ways = " or ".join([*plain_way, f"--{name}-env NAME", f"--{name}-file PATH"])
         where = f", or set {default_env}" if default_env else ""
-        raise click.UsageError(f"the {name} is required: give {' or '.join(ways)}{where}")
+        raise click.UsageError(f"the {name} is required: give {ways}{where}")
     return None
 
 
 @dataclass(frozen=True)
 class Target:
-    """The namespace, key and (optionally) fingerprint of a command, and its client.
-
-    Its repr shows none of them, nor the environment (which may hold an owner token)."""
+    """The namespace, key and (optionally) fingerprint of a command, and its client; its
+    repr shows none of them, nor the environment (which may hold an owner token)."""
 
     client: LeaseClient
     namespace: str | None = field(repr=False)

@@ -1,28 +1,9 @@
-"""How a client command ends: what it prints, and its exit code.
+"""How a client command ends: what it prints, and its exit code (the README's table).
 
 A command prints the service's JSON body on stdout (an error's on stdout too, or on
-stderr for ``run``, whose stdout is its command's) and exits with a code that tells
-outcomes apart:
-
-====  ===========  ===============================================================
-code  meaning      when
-====  ===========  ===============================================================
-0     ok           done; for ``acquire``: you hold the lease now
-1     error        an internal error or an unexpected response (404: a wrong URL path)
-2     usage        bad options (missing secret, unreadable file, bad JSON)
-10    held         another owner holds the lease (after ``--wait``, if given)
-11    lost         you are not (or no longer) the owner; ``run``: the child was stopped
-12    conflict     the key is bound to another fingerprint
-13    invalid      the service refused the request as invalid or too large
-14    unavailable  the service is unreachable, unavailable or rate limiting, or the
-                   request timed out (408): retry
-15    completed    ``acquire``: the key's work is already done; the JSON has the result
-127   not started  ``run``: the command could not be started
-====  ===========  ===============================================================
-
-``run`` exits with its command's status when the command ran (128 + N when a
-signal N ended it), with the stored status when a completed run is reused, and
-with the codes above for its own outcomes.
+stderr for ``run``, whose stdout is its command's). ``run`` exits with its command's
+status when the command ran (128 + N when a signal N ended it), with the stored status
+when a completed run is reused, and with the codes below for its own outcomes.
 """
 
 from __future__ import annotations
@@ -72,20 +53,20 @@ __all__ = [
     "say_output_lost",
 ]
 
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_HELD = 10
-EXIT_LOST = 11
-EXIT_CONFLICT = 12
-EXIT_INVALID = 13
-EXIT_UNAVAILABLE = 14
-EXIT_COMPLETED = 15
-#: ``run`` could not start the command (the shell's code for "not found").
-EXIT_NOT_STARTED = 127
+EXIT_OK = 0  # done; after acquire: you hold the lease
+EXIT_ERROR = 1  # an internal error or an unexpected response (a 404: a wrong URL path)
+# 2 is click's usage error: bad options, a missing secret, an unreadable file, bad JSON
+EXIT_HELD = 10  # another owner holds the lease (after --wait, if given)
+EXIT_LOST = 11  # not (or no longer) the owner; run: the command was stopped
+EXIT_CONFLICT = 12  # the key is bound to another fingerprint
+EXIT_INVALID = 13  # the service refused the request as invalid or too large
+EXIT_UNAVAILABLE = 14  # unreachable, unavailable, rate limited, or a 408: retry
+EXIT_COMPLETED = 15  # acquire: the key's work is already done; the JSON has the result
+EXIT_NOT_STARTED = 127  # run: the command could not be started (the shell's "not found")
 
 
 def exit_code(error: LeaseError) -> int:
-    """The exit code for ``error`` (see the module's table)."""
+    """The exit code for ``error``."""
     if isinstance(error, LeaseHeld):
         return EXIT_HELD
     if isinstance(error, LeaseLost):
@@ -112,8 +93,7 @@ def log_warnings() -> None:
     """Send the client's WARNINGs to stderr, once per process."""
     logger = logging.getLogger("leasekeeper.client")
     if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
-        handler = _StderrHandler(logging.WARNING)
-        logger.addHandler(handler)
+        logger.addHandler(_StderrHandler(logging.WARNING))
 
 
 class OutputLost(Exception):
@@ -167,32 +147,26 @@ def say_output_lost(lost: OutputLost) -> None:
         click.echo(f"leasekeeper: {lost}", err=True)
 
 
-def _exit_130_on_interrupt(callback: Callable[..., Any]) -> Callable[..., Any]:
-    """A Ctrl-C that reaches Python (while waiting, say) exits 130, as a shell reports
-    SIGINT, rather than click's "Aborted!" with 1, which the table keeps for errors.
-    An answer that could not be written exits 1 with one line on stderr, not a traceback."""
-
-    @functools.wraps(callback)
-    def interruptible(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return callback(*args, **kwargs)
-        except KeyboardInterrupt as stop:  # _run._Interrupted carries its own signal
-            sys.exit(128 + getattr(stop, "signum", signal.SIGINT))
-        except OutputLost as lost:  # the caller did not get the answer it asked for
-            say_output_lost(lost)
-            sys.exit(1)
-
-    return interruptible
-
-
 def client_command(
     name: str, context_settings: dict[str, Any] | None = None
 ) -> Callable[[Callable[..., Any]], click.Command]:
-    """``click.command``, its callback run as ``_exit_130_on_interrupt`` says."""
+    """``click.command``, its callback changed so that a Ctrl-C that reaches Python (while
+    waiting, say) exits 130, as a shell reports SIGINT, rather than click's "Aborted!"
+    with 1, and an answer that could not be written exits 1 with one line on stderr."""
 
     def decorate(callback: Callable[..., Any]) -> click.Command:
+        @functools.wraps(callback)
+        def interruptible(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return callback(*args, **kwargs)
+            except KeyboardInterrupt as stop:  # _run._Interrupted carries its own signal
+                sys.exit(128 + getattr(stop, "signum", signal.SIGINT))
+            except OutputLost as lost:  # the caller did not get the answer it asked for
+                say_output_lost(lost)
+                sys.exit(1)
+
         command = click.command(name, context_settings=context_settings)(callback)
-        command.callback = _exit_130_on_interrupt(callback)
+        command.callback = interruptible
         return command
 
     return decorate

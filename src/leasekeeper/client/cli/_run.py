@@ -1,11 +1,9 @@
 """``leasekeeper run``: a command run while the lease on its key is held and renewed.
 
-The flow: acquire (or find the stored status and exit with it), start the command in a
-process group of its own (the lease covers the whole group), wait for it or for the
-lease's loss, stop what is left of the group, then (``--complete``) store the exit
-status. While it runs, ``run`` passes signals on to the group (``_forward_signals``) and
-keeps the interruptions it must not act on at once (``_noting``, ``_interruptible``);
-handlers are only installed from the main thread.
+Acquire (or find the stored status and exit with it), start the command in a process
+group of its own (the lease covers the whole group), wait for it or the lease's loss,
+stop what is left of the group, then (``--complete``) store the exit status. Signals
+are passed on to the group; handlers are installed only from the main thread.
 """
 
 from __future__ import annotations
@@ -102,15 +100,12 @@ def _forward_signals(
     process group while it runs, and stop the command with ``run`` (SIGTSTP, Ctrl-Z).
 
     The handlers are in place before the command starts (``started`` is empty until
-    then): an interruption that arrives meanwhile is kept in ``received`` and
-    ``unsent``, and the caller does not start the command, or passes it on once it
-    has; a SIGUSR1 or SIGUSR2 then is dropped. A signal that ``run``
-    was started ignoring (``nohup``) stays ignored. The command has a process group
-    of its own, so a Ctrl-Z would stop ``run`` (and its renewals) but not the
-    command, which went on working past the lease. Now the command is stopped
-    first; when ``run`` is continued, the command continues only if
-    ``still_held()``, and otherwise gets SIGTERM before it runs again (recorded in
-    ``terminated``, so that ``_stop`` does not send a second one).
+    then): an interruption meanwhile is kept in ``received`` and ``unsent`` (the caller
+    does not start the command, or passes it on once it has); a SIGUSR1 or SIGUSR2 is
+    dropped. A signal ``run`` was started ignoring (``nohup``) stays ignored. Ctrl-Z
+    would stop ``run`` and its renewals but not the command, in a group of its own: so
+    the command is stopped first, and continues with ``run`` only if ``still_held()``,
+    else after a SIGTERM (kept in ``terminated``, so that ``_stop`` sends no second one).
     """
     if threading.current_thread() is not threading.main_thread():
         yield
