@@ -37,7 +37,6 @@ __all__ = [
     "ONCE_LEASE",
     "UNSURE_COMPLETE",
     "WAITABLE",
-    "ClientT",
     "HeldLeaseBase",
     "OnLost",
     "OnWait",

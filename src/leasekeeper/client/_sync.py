@@ -127,10 +127,11 @@ class LeaseClient:
         content = encode(body)
         url = self._prefix + route
         # Timeouts only on our own client: an injected one keeps its settings (Starlette's
-        # TestClient refuses a per-request timeout). They bound the whole answer's arrival.
+        # TestClient refuses a per-request timeout). A number of seconds (not None, nor an
+        # httpx.Timeout) bounds the whole answer's arrival too.
         seconds = self.timeout if request_seconds is None else request_seconds
         owned = self._owns_http
-        limit = seconds if owned and isinstance(seconds, int | float) else None  # no Timeout
+        limit = seconds if owned and isinstance(seconds, int | float) else None
         reader = BodyReader(limit, self._monotonic)
         try:
             with within(limit):
