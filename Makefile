@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # PostgreSQL tests are required, locally they skip with a reason when it is down.
 export LEASEKEEPER_TEST_POSTGRES_URL ?= postgresql://postgres@127.0.0.1:5432/test
 
-.PHONY: serve test check lint typecheck docs pytest bench soak clean
+.PHONY: serve test check lint typecheck docs unasync pytest bench soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)  ## run the server on the embedded SQLite store (./leasekeeper.db)
 	$(BIN)/leasekeeper serve
 
-test: check docs pytest  ## the whole suite: lint, types, the docs build, tests
+test: check docs unasync pytest  ## the whole suite: lint, types, the docs build, the generated sync client, tests
 
 check: lint typecheck
 
@@ -33,6 +33,9 @@ typecheck: $(STAMP)
 
 docs: $(STAMP)  ## the documentation site in site/; a warning (a broken link, a page outside the nav) fails
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+unasync: $(STAMP)  ## fails when client/_sync.py is not what scripts/unasync.py writes
+	$(BIN)/python scripts/unasync.py --check
 
 pytest: $(STAMP)
 	$(BIN)/pytest -q -p no:cacheprovider

@@ -32,8 +32,9 @@ from leasekeeper._errors import (
     ServiceUnavailable,
 )
 from leasekeeper.cli import main
-from leasekeeper.client import _cli as _cli_module
-from leasekeeper.client._cli import (
+from leasekeeper.client.cli import _run as _run_module
+from leasekeeper.client.cli._commands import CliEnvironment, Progress
+from leasekeeper.client.cli._output import (
     EXIT_COMPLETED,
     EXIT_CONFLICT,
     EXIT_ERROR,
@@ -41,8 +42,8 @@ from leasekeeper.client._cli import (
     EXIT_INVALID,
     EXIT_LOST,
     EXIT_UNAVAILABLE,
-    CliEnvironment,
     exit_code,
+    print_json,
 )
 from tests.client_fakes import (
     BASE_URL,
@@ -336,7 +337,7 @@ def test_output_goes_to_a_stdout_that_takes_only_text(monkeypatch: pytest.Monkey
     the JSON as text: there are no bytes beneath to write UTF-8 to."""
     out = io.StringIO()
     monkeypatch.setattr(sys, "stdout", out)
-    _cli_module._print_json({"ok": True, "result": {"m": "日本é"}})
+    print_json({"ok": True, "result": {"m": "日本é"}})
     assert orjson.loads(out.getvalue())["result"] == {"m": "日本é"}
 
 
@@ -553,13 +554,13 @@ def test_run_gives_leftovers_10_seconds_grace_by_default(
     the warning about what the command left in its group says. (The stop itself is given
     no grace here, so that the test need not wait for the orphan's zombie to be reaped.)"""
     graces: list[float] = []
-    real_stop = _cli_module._stop
+    real_stop = _run_module._stop
 
     def stop(process: Any, grace: float, terminated: list[float]) -> str:
         graces.append(grace)
         return real_stop(process, 0.0, terminated)
 
-    monkeypatch.setattr(_cli_module, "_stop", stop)
+    monkeypatch.setattr(_run_module, "_stop", stop)
     pid_file = tmp_path / "pid"
     result = cli("run", "--key", "bg10", "--",
                  "sh", "-c", f"sleep 30 & echo $! > {pid_file}; exit 0")  # fmt: skip
@@ -580,7 +581,7 @@ def test_a_lease_lost_as_the_command_ends_exits_11_with_its_status(
         event_factory=fake.event, thread_factory=ManualThread,
     )  # fmt: skip
     held: list[Any] = []
-    real_lease, real_status = LeaseClient.lease, _cli_module._shell_status
+    real_lease, real_status = LeaseClient.lease, _run_module._shell_status
 
     def lease(self: LeaseClient, *args: Any, **kwargs: Any) -> Any:
         held.append(real_lease(self, *args, **kwargs))
@@ -593,7 +594,7 @@ def test_a_lease_lost_as_the_command_ends_exits_11_with_its_status(
         return real_status(returncode)
 
     monkeypatch.setattr(LeaseClient, "lease", lease)
-    monkeypatch.setattr(_cli_module, "_shell_status", status_after_the_expiry)
+    monkeypatch.setattr(_run_module, "_shell_status", status_after_the_expiry)
     result = cli("run", "--key", "late", "--", "sh", "-c", "exit 4")
     monkeypatch.undo()
     assert result.exit_code == EXIT_LOST, result.output
@@ -612,7 +613,7 @@ def test_a_signal_while_the_command_starts_is_passed_on(
         os.kill(os.getpid(), signal.SIGTERM)  # handled (recorded) before the child exists
         return real_popen(*args, **kwargs)
 
-    monkeypatch.setattr(_cli_module.subprocess, "Popen", popen_during_a_signal)
+    monkeypatch.setattr(_run_module.subprocess, "Popen", popen_during_a_signal)
     started = time.monotonic()
     result = cli("run", "--key", "st", "--complete", "--", "sleep", "30")
     assert result.exit_code == 128 + signal.SIGTERM, result.output
@@ -631,7 +632,7 @@ def test_a_signal_before_the_command_starts_keeps_it_from_starting(
         if message.startswith("lease acquired"):
             os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(_cli_module._Progress, "say", say)
+    monkeypatch.setattr(Progress, "say", say)
     result = cli("run", "--key", "pre", "--complete", "--", "touch", str(ran))
     assert result.exit_code == 128 + signal.SIGINT, result.output
     assert not ran.exists()
@@ -645,13 +646,13 @@ def test_a_signal_just_after_the_acquire_keeps_the_command_from_starting(
     place (noted meanwhile), still keeps the command from starting: exit 128 + N, and
     the lease is let go."""
     ran = tmp_path / "ran"
-    real_forward = _cli_module._forward_signals
+    real_forward = _run_module._forward_signals
 
     def forward_after_a_signal(*args: Any) -> Any:
         os.kill(os.getpid(), signal.SIGINT)  # handled (noted) before the handlers change
         return real_forward(*args)
 
-    monkeypatch.setattr(_cli_module, "_forward_signals", forward_after_a_signal)
+    monkeypatch.setattr(_run_module, "_forward_signals", forward_after_a_signal)
     result = cli("run", "--key", "early", "--complete", "--", "touch", str(ran))
     assert result.exit_code == 128 + signal.SIGINT, result.output
     assert not ran.exists()
@@ -669,7 +670,7 @@ def test_a_request_signal_before_the_command_starts_is_dropped(
         if message.startswith("lease acquired"):
             os.kill(os.getpid(), signal.SIGUSR1)
 
-    monkeypatch.setattr(_cli_module._Progress, "say", say)
+    monkeypatch.setattr(Progress, "say", say)
     result = cli("run", "--key", "usr", "--complete", "--", "sh", "-c", "sleep 0.2; exit 3")
     assert result.exit_code == 3, result.output
     recorded = cli("acquire", "--key", "usr")
@@ -802,7 +803,7 @@ def test_a_signal_after_the_command_ended_keeps_its_status_from_being_recorded(
     asked to stop, so, as for one passed on to the command, the status is not recorded
     (stderr says so, with it), run exits with it, and the lease is let go."""
     result, seen = _run_with_sigterm_in(  # the command is gone: run notes it
-        cli, monkeypatch, _cli_module, "_shell_status",
+        cli, monkeypatch, _run_module, "_shell_status",
         "run", "--key", "ended", "--complete", "--", "sh", "-c", "exit 3",
     )  # fmt: skip
     assert result.exit_code == 3, result.output

@@ -12,7 +12,7 @@ from leasekeeper import Reply
 from leasekeeper._core.secrets import format_namespace, format_owner_token
 from leasekeeper._schemas import AcquireBody, CompleteBody, ReleaseBody, RenewBody, parse_body
 from leasekeeper.client import LeaseClient
-from leasekeeper.client._cli import _Target
+from leasekeeper.client.cli._commands import Target as _Target
 
 
 def test_plain_parses_the_stored_result_losslessly() -> None:

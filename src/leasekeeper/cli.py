@@ -18,7 +18,7 @@ from leasekeeper._errors import LeaseError
 from leasekeeper._logging import configure_logging
 from leasekeeper._service import LeaseService
 from leasekeeper._settings import Settings, SettingsError, unknown_variables
-from leasekeeper.client._cli import CLIENT_COMMANDS
+from leasekeeper.client.cli import CLIENT_COMMANDS
 from leasekeeper.http._protocol import guard_protocol
 from leasekeeper.store import (
     MAX_RAISED_FENCE,

@@ -1,11 +1,17 @@
-"""The asyncio client: ``AsyncLeaseClient`` and the ``AsyncHeldLease`` of ``async with``."""
+"""The asyncio client: ``AsyncLeaseClient`` and the ``AsyncHeldLease`` of ``async with``.
+
+The one source of both clients: ``python scripts/unasync.py`` writes the sync client
+(``_sync.py``) from it by renaming (``async def`` to ``def``, ``AsyncX`` to ``X``, ...).
+What differs between the sides lives outside, each twin beside the other: bounding a
+request's time (``_http``), calling a callback (``_common``), the renewal worker
+(``_renewer``).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
-import inspect
 import logging
 import math
 import random as _random
@@ -17,15 +23,18 @@ from typing import Any, ParamSpec
 import httpx
 
 from leasekeeper._clock import elapsed_seconds
-from leasekeeper._errors import LeaseError, LeaseHeld, LeaseLost, ServiceUnreachable
+from leasekeeper._errors import LeaseError, LeaseHeld, LeaseLost
 from leasekeeper.client._common import (
     FENCE_CHANGED,
-    NOT_OWNED,
     ONCE_LEASE,
     UNSURE_COMPLETE,
     WAITABLE,
+    HeldLeaseBase,
+    OnLost,
     OnWait,
     Wait,
+    async_call_soon,
+    async_notify,
     complete_deadline,
     complete_delay,
     unsure_complete,
@@ -33,7 +42,8 @@ from leasekeeper.client._common import (
 from leasekeeper.client._http import (
     DEFAULT_TIMEOUT,
     HEADERS,
-    BodyReader,
+    AsyncBodyReader,
+    async_within,
     encode,
     http_root,
     lease_body,
@@ -67,18 +77,14 @@ log = logging.getLogger("leasekeeper.client")
 
 P = ParamSpec("P")
 
-#: ``on_lost(error)``: a function or a coroutine function, told once when the lease is lost.
-AsyncOnLost = Callable[[LeaseLost], object]
-
 
 class AsyncLeaseClient:
-    """The asyncio mirror of ``LeaseClient``; every operation is a coroutine.
+    """A client for the leasekeeper HTTP API (the README's "Python client" says it all).
 
-    ``AsyncLeaseClient("http://127.0.0.1:8787")``, or ``client=`` an
-    ``httpx.AsyncClient`` of yours, or ``transport=`` (for example
-    ``httpx.ASGITransport(app)`` to talk to an app in-process).
-    ``monotonic``, ``signal_factory``, ``task_factory`` and ``random`` drive
-    waiting and background renewal; tests replace them.
+    It opens its own ``httpx.AsyncClient`` unless given ``client=`` (whose ``base_url``
+    applies when ``base_url`` is not given) or ``transport=``. A refusal raises the
+    matching exception of ``leasekeeper``'s one tree; no answer, ``ServiceUnreachable``.
+    ``monotonic``, ``signal_factory``, ``task_factory`` and ``random`` are for tests.
     """
 
     def __init__(
@@ -111,6 +117,8 @@ class AsyncLeaseClient:
         self._task_factory = task_factory
         self._random = random
 
+    # -- lifecycle ---------------------------------------------------------------------------
+
     async def aclose(self) -> None:
         """Close the HTTP client if this object opened it."""
         if self._owns_http:
@@ -122,19 +130,23 @@ class AsyncLeaseClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
+    # -- the five operations -------------------------------------------------------------------
+
     async def _post(
         self, route: str, body: dict[str, Any], request_seconds: float | None = None
-    ) -> Any:
+    ) -> dict[str, Any]:
         content = encode(body)
         url = self._prefix + route
-        # As in LeaseClient._post: timeouts only on our own client, and the request's time
-        # bounds the whole exchange, here with asyncio.timeout (the head included).
+        # Timeouts only on our own client: an injected one keeps its settings (Starlette's
+        # TestClient refuses a per-request timeout). A number of seconds (not None, nor an
+        # httpx.Timeout) bounds the whole answer's arrival too.
         seconds = self.timeout if request_seconds is None else request_seconds
-        bounded = self._owns_http and isinstance(seconds, int | float)  # not an httpx.Timeout
-        reader = BodyReader(None, self._monotonic)
+        owned = self._owns_http
+        limit = seconds if owned and isinstance(seconds, int | float) else None
+        reader = AsyncBodyReader(limit, self._monotonic)
         try:
-            async with asyncio.timeout(seconds if bounded else None):
-                if request_seconds is None or not self._owns_http:
+            async with async_within(limit):
+                if request_seconds is None or not owned:
                     streamed = self._http.stream("POST", url, content=content, headers=HEADERS)
                 else:
                     streamed = self._http.stream(
@@ -146,8 +158,6 @@ class AsyncLeaseClient:
                             reader.add(chunk)
         except httpx.RequestError as exc:  # no answer, or none that could be read
             raise unreachable(exc) from exc
-        except TimeoutError:
-            raise ServiceUnreachable("The lease service's answer did not arrive in time") from None
         return read_response(response, reader.content())
 
     async def create_namespace(self) -> str:
@@ -164,9 +174,11 @@ class AsyncLeaseClient:
         wait: Wait = None,
         on_wait: OnWait | None = None,
     ) -> Lease | Completed:
-        """Take the lease on ``key``, waiting as ``LeaseClient.acquire`` does;
-        ``on_wait`` may be a plain function or a coroutine function."""
-        return (await self._acquire(namespace, key, ttl, fingerprint, wait, on_wait))[0]
+        """Take the lease on ``key``: a ``Lease`` (yours now) or the ``Completed`` result.
+        With ``wait`` (seconds, a ``timedelta``, ``math.inf``) a held key, a rate limit or
+        an outage is retried with backoff; ``on_wait(error, delay)`` is told of each pause."""
+        outcome, _ = await self._acquire(namespace, key, ttl, fingerprint, wait, on_wait)
+        return outcome
 
     async def _acquire(
         self,
@@ -177,6 +189,7 @@ class AsyncLeaseClient:
         wait: Wait,
         on_wait: OnWait | None,
     ) -> tuple[Lease | Completed, float]:
+        """Acquire, waiting as ``acquire`` does; also returns when the winning request was sent."""
         body = lease_body(namespace=namespace, key=key, ttl_seconds=ttl, fingerprint=fingerprint)
         deadline = self._monotonic() + as_seconds(wait)
         attempt = 0
@@ -195,9 +208,7 @@ class AsyncLeaseClient:
                 if delay is None:
                     raise
                 if on_wait is not None:
-                    told = on_wait(error, delay)
-                    if inspect.isawaitable(told):  # a coroutine function, as on_lost may be
-                        await told
+                    await async_notify(on_wait, error, delay)
                 await self._signal_factory().wait(delay)
                 attempt += 1
 
@@ -230,6 +241,8 @@ class AsyncLeaseClient:
         body = lease_body(namespace=namespace, key=key, owner_token=owner_token, result=result)
         return parse_completed(await self._post("/lease/complete", body))
 
+    # -- held leases -------------------------------------------------------------------------
+
     def lease(
         self,
         namespace: str | None,
@@ -238,10 +251,12 @@ class AsyncLeaseClient:
         ttl: int = 30,
         fingerprint: str | None = None,
         wait: Wait = None,
-        on_lost: AsyncOnLost | None = None,
+        on_lost: OnLost | None = None,
         on_wait: OnWait | None = None,
     ) -> AsyncHeldLease:
-        """A lease for an ``async with`` block; see ``AsyncHeldLease``."""
+        """A lease for an ``async with`` block: acquired on entry, renewed, released on exit
+        (see ``AsyncHeldLease``). ``wait`` and ``on_wait`` are ``acquire``'s; ``on_lost`` is
+        called once if the lease is lost."""
         return AsyncHeldLease(
             self,
             namespace,
@@ -261,14 +276,15 @@ class AsyncLeaseClient:
         fingerprint: str | Callable[..., str | None] | None = None,
         ttl: int = 30,
         wait: Wait = math.inf,
-        on_lost: AsyncOnLost | None = None,
+        on_lost: OnLost | None = None,
     ) -> Callable[[Callable[P, Awaitable[Any]]], Callable[P, Awaitable[Any]]]:
-        """Run the decorated coroutine function at most once per key and fingerprint.
+        """Run the decorated function (in the async client, a coroutine function) at most
+        once per key and fingerprint, across workers; every caller gets the stored result.
 
-        As ``LeaseClient.once``: every caller gets the stored result, the function
-        finds its ``AsyncHeldLease`` in ``current_lease()``, and a ``complete``
-        whose answer does not say whether it stored the result is tried again while
-        the lease is held.
+        ``key`` and ``fingerprint`` are values or functions of the call's arguments.
+        Others wait while the key is held (by default for ever); if the function raises,
+        the next caller runs it. Inside it ``current_lease()`` is its lease. A
+        ``complete`` whose answer does not say whether it stored the result is retried.
         """
 
         def decorate(function: Callable[P, Awaitable[Any]]) -> Callable[P, Awaitable[Any]]:
@@ -300,7 +316,8 @@ class AsyncLeaseClient:
         return decorate
 
     async def _complete_once(self, lease: AsyncHeldLease, value: Any) -> Any:
-        """As ``LeaseClient._complete_once``."""
+        """``lease.complete(value)``, tried again while the lease is held after an answer
+        that does not say whether it was stored (``unsure_complete``)."""
         attempt, deadline = 0, math.inf
         while True:
             try:
@@ -319,86 +336,23 @@ class AsyncLeaseClient:
                 attempt += 1
 
 
-class AsyncHeldLease:
-    """The asyncio mirror of ``HeldLease``: renewed by a task, ``lost`` an ``asyncio.Event``.
+class AsyncHeldLease(HeldLeaseBase["AsyncLeaseClient"]):
+    """A lease held for an ``async with`` block: acquired on entry, renewed about every
+    third of ``ttl``, released on exit unless completed or lost on the service's word.
 
-    ``on_lost`` may be a plain function or a coroutine function; it runs in the
-    renewal task, and runs to its end even when the block is left meanwhile. Leaving
-    the block cancels the renewal task (not a lost lease's), then releases the
-    lease unless it was completed or lost (one lost to a renewal refused otherwise
-    than ``lost``, or answered with another fencing token, is released too: the
-    service may still hold it).
+    A key already completed with this fingerprint gives ``completed`` and the stored
+    ``result``. If ownership ends early, ``lost`` is set, ``lost_error`` says why,
+    ``on_lost`` is called and ``check()`` raises ``LeaseLost`` (the README's "How the
+    client behaves" says every case).
     """
 
-    def __init__(
-        self,
-        client: AsyncLeaseClient,
-        namespace: str | None,
-        key: str,
-        *,
-        ttl: int,
-        fingerprint: str | None,
-        wait: Wait,
-        on_lost: AsyncOnLost | None,
-        on_wait: OnWait | None,
-    ) -> None:
-        if type(ttl) is not int:  # not a bool or None either: the renewal plan needs seconds
-            raise TypeError("ttl must be a whole number of seconds (an int)")
-        self._client = client
-        self._namespace = namespace
-        self._key = key
-        self._ttl = ttl
-        self._fingerprint = fingerprint
-        self._wait = wait
-        self._on_lost = on_lost
-        self._on_wait = on_wait
-        self.lost = asyncio.Event()
-        self.lost_error: LeaseLost | None = None
-        self.completed = False
-        self.result: Any = None
-        self.grant: Lease | None = None
-        self.completion: Completed | None = None
-        self.renewer: AsyncRenewalWorker | None = None
-        self._lock = asyncio.Lock()
-        self._callbacks: set[asyncio.Future[None]] = set()
-        self._entered = False
-        self._ended = False
-        #: A complete's answer did not say whether it stored the result (``complete``).
-        self._unsure = False
-        #: Lost for want of proof, not on the service's word: leaving releases it
-        #: (``LeaseClient``'s ``HeldLease`` has the same).
-        self._maybe_held = False
-
-    def __repr__(self) -> str:
-        state = (
-            "completed"
-            if self.completed
-            else "lost"
-            if self.lost.is_set()
-            else "ended"
-            if self._ended
-            else "held"
-            if self._entered
-            else "not entered"
-        )
-        grant, completion = self.grant, self.completion
-        fence = grant.fencing_token if grant else completion.fencing_token if completion else None
-        return f"<AsyncHeldLease {state} fencing_token={fence}>"
-
-    @property
-    def fencing_token(self) -> int:
-        """The fence to send with writes: this owner's, also after it completed.
-
-        A key found completed on entry has none for this worker, which never held
-        it and must not write: ``LeaseLost``, as from ``check()``, so that a write
-        guarded by the fence (``FenceGuard``) cannot pass with the completer's.
-        That one is ``completion.fencing_token``.
-        """
-        if self.grant is not None:
-            return self.grant.fencing_token
-        if self.completed:
-            raise LeaseLost(NOT_OWNED)
-        raise RuntimeError("the lease has not been acquired; use it in an async with block")
+    _NAME = "AsyncHeldLease"
+    _BLOCK = "an async with block"
+    _EVENT = asyncio.Event
+    _LOCK = asyncio.Lock
+    lost: asyncio.Event
+    renewer: AsyncRenewalWorker | None
+    _lock: asyncio.Lock
 
     async def __aenter__(self) -> AsyncHeldLease:
         if self._entered:
@@ -437,59 +391,46 @@ class AsyncHeldLease:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        lost = self.lost.is_set()
-        if self.renewer is not None:
-            # A lost lease's renewal task is not cancelled: it may be running on_lost, which
-            # runs to its end as in the sync client (a renewal still in flight ends by its
-            # own deadline, and acts on nothing).
-            await self.renewer.stop(cancel=not lost)
-        if lost and not self._maybe_held:
+        lost = self.lost.is_set()  # the service said so, or its expiry has passed
+        # A lost lease has nothing to release, unless it was lost to a refused renewal:
+        # the service may still hold that one, and it is released as a held one is.
+        release = not lost or self._maybe_held
+        stopped = (
+            await self.renewer._stop_on_exit(lost=lost, release=release)
+            if self.renewer is not None
+            else True
+        )
+        if not release or not stopped:
             self._ended = True
+            if release:
+                log.warning(
+                    "could not release the lease: a renewal is still waiting for its "
+                    "answer; it expires by itself after its TTL"
+                )
             return
         async with self._lock:
             if self._ended:
                 return
             self._ended = True
-            # Lost on the service's word, or past its expiry: nothing to release. Lost to a
-            # renewal refused otherwise (a proxy's 404): the service may still hold it.
             if self.lost.is_set() and not self._maybe_held:
                 return
             try:
                 await self._client.release(self._namespace, self._key, self._token())
             except LeaseLost:
                 log.debug("the lease was no longer held at release")
-            except LeaseError as error:
+            except Exception as exc:  # a closed client too: the block's own exception goes on
+                why = exc.error if isinstance(exc, LeaseError) else type(exc).__name__
                 log.warning(
-                    "could not release the lease (%s); it expires by itself after its TTL",
-                    error.error,
-                )
-            except Exception as exc:  # a closed client: the block's own exception goes on
-                log.warning(
-                    "could not release the lease (%s); it expires by itself after its TTL",
-                    type(exc).__name__,
+                    "could not release the lease (%s); it expires by itself after its TTL", why
                 )
 
-    def check(self) -> None:
-        """Raise ``LeaseLost`` unless this lease is still held (by the local estimate)."""
-        if self.lost.is_set() and self.lost_error is not None:
-            raise LeaseLost(self.lost_error.error)
-        if self.completed:
-            raise LeaseLost("The work on this key is completed; there is no lease to hold")
-        if self._ended or not self._entered:
-            raise LeaseLost("The lease is not held (not entered, released or exited)")
-        renewer = self.renewer
-        if renewer is not None and renewer.plan.expired(self._client._monotonic()):
-            error = LeaseLost("The lease expired before a renewal succeeded")
-            if self._set_lost(error) and self._on_lost is not None:
-                # check() is not a coroutine: a coroutine on_lost runs as a task.
-                task = asyncio.ensure_future(self._call_on_lost(error))
-                self._callbacks.add(task)
-                task.add_done_callback(self._callbacks.discard)
-            raise LeaseLost(error.error)
+    def _on_lost_from_check(self, error: LeaseLost) -> None:
+        async_call_soon(self._call_on_lost, error)  # check() is not a coroutine
 
     async def complete(self, result: Any) -> Any:
         """Store ``result`` and end ownership for good; returns the stored (redacted) result.
-        As ``HeldLease.complete``, an unsure answer included."""
+        After an error that does not say whether it was stored (``unsure_complete``),
+        renewals stop: call ``complete`` again before the lease expires to find out."""
         try:
             return await self._complete(result, retried=self._unsure)
         except LeaseError as error:
@@ -498,7 +439,8 @@ class AsyncHeldLease:
             raise
 
     async def _complete(self, result: Any, *, retried: bool) -> Any:
-        """As ``HeldLease._complete``."""
+        """``complete``; ``retried`` when an earlier attempt may have stored the result:
+        no local check first, and a ``lost`` is looked into (``_stored_by_us``)."""
         if not retried:
             self.check()
         unsure: LeaseError | None = None
@@ -526,13 +468,17 @@ class AsyncHeldLease:
             await self._lost(lost)
             raise lost
         if self.renewer is not None:
-            await self.renewer.stop()  # after an unsure answer too: as HeldLease
+            # After an unsure answer too: a renewal would race the retried complete, and
+            # be answered lost (the key completed) if the first attempt stored it.
+            await self.renewer.stop()
         if unsure is not None:
             raise unsure
         return self.result
 
     async def _stored_by_us(self) -> Completed | None:
-        """As ``HeldLease._stored_by_us``."""
+        """The result an earlier attempt of this owner stored, or None, after a retried
+        complete answered ``lost``: looked up with an acquire (a key found free is let go
+        again at once)."""
         try:
             found = await self._client.acquire(
                 self._namespace, self._key, ttl=1, fingerprint=self._fingerprint
@@ -557,26 +503,20 @@ class AsyncHeldLease:
             self._ended = True
             await self._client.release(self._namespace, self._key, self._token())
 
-    def _renewal_stopped(self) -> bool:
-        """Whether renewal was told to stop (a renewal waiting for the lock then sends none),
-        or a ``complete`` may have stored the result (``_unsure``): a renewal would then be
-        answered lost, and report as lost a lease whose work is stored."""
-        return self._unsure or (self.renewer is not None and self.renewer.stopped)
-
-    def _token(self) -> str:
-        if self.grant is None:  # pragma: no cover - guarded by the callers
-            raise RuntimeError("the lease has not been acquired")
-        return self.grant.owner_token
+    # -- for the renewal worker ------------------------------------------------------------------
 
     async def _renew_for_worker(
         self,
         request_seconds: float,
         deadline: Callable[[], AbstractAsyncContextManager[object]],
     ) -> int | None:
+        """Renew once for the worker; the granted TTL, or None if the lease is over. The
+        request is sent inside ``deadline()``, entered once the lock is held (a slow
+        ``complete`` holding it is not a renewal waiting for its answer)."""
         async with self._lock:
             if self._ended or self.lost.is_set() or self._renewal_stopped():
                 return None
-            async with deadline():  # entered once the lock is held, as in the sync client
+            async with deadline():
                 renewed = await self._client._renew(
                     self._namespace, self._key, self._token(), self._ttl, request_seconds
                 )
@@ -585,19 +525,10 @@ class AsyncHeldLease:
             self.grant = renewed
             return self.grant.ttl_seconds
 
-    def _set_lost(self, error: LeaseLost, *, maybe_held: bool = False) -> bool:
-        if self.lost.is_set() or self._ended:
-            return False
-        self.lost_error = error
-        self._maybe_held = maybe_held
-        self.lost.set()
-        fence = self.grant.fencing_token if self.grant else 0
-        log.warning("lease lost (fencing token %d): %s", fence, error.error)
-        return True
-
     async def _lost(self, error: LeaseLost, *, maybe_held: bool = False) -> None:
         """Ownership ended without us: set ``lost``, log a WARNING, call ``on_lost`` once.
-        ``maybe_held``: on no word of the service's, so leaving still releases it."""
+        ``maybe_held``: on no word of the service's (a renewal refused otherwise), so
+        leaving the block still releases it."""
         if self._set_lost(error, maybe_held=maybe_held):
             await self._call_on_lost(error)
 
@@ -605,8 +536,6 @@ class AsyncHeldLease:
         if self._on_lost is None:
             return
         try:
-            outcome = self._on_lost(error)
-            if inspect.isawaitable(outcome):
-                await outcome
+            await async_notify(self._on_lost, error)
         except Exception:
             log.exception("the on_lost callback failed")

@@ -2,22 +2,11 @@
 
 A lease alone cannot stop a paused worker that wakes after its ownership ended
 (the spec's "Use the fencing token"). The system it writes to must remember the
-highest fencing token per resource and refuse older ones. ``FenceGuard`` does
-that with one statement, run in the *same transaction* as the write it guards::
-
-    CREATE TABLE IF NOT EXISTS leasekeeper_fences (
-        resource TEXT PRIMARY KEY,
-        fence    BIGINT NOT NULL
-    );
-
-    INSERT INTO leasekeeper_fences (resource, fence) VALUES (:resource, :fence)
-    ON CONFLICT (resource) DO UPDATE SET fence = excluded.fence
-        WHERE leasekeeper_fences.fence <= excluded.fence
-    RETURNING fence;
-
-A row back means the token is the newest seen (or the same: one owner writing
-again) and is now recorded; no row means a newer owner has written, so the
-guard raises ``StaleFence`` and the caller's transaction must roll back.
+highest fencing token per resource and refuse older ones. ``FenceGuard`` does that
+with one statement (``check_sql``: an upsert that only raises the fence, returning it),
+run in the *same transaction* as the write it guards. A row back means the token is
+the newest seen (or the same: one owner writing again) and is now recorded; no row
+means a newer owner has written: ``StaleFence``, and the transaction must roll back.
 
 Why this is atomic: in PostgreSQL the upsert locks the resource's row until the
 transaction ends, so two writers of one resource take turns, and the second one's
@@ -53,10 +42,9 @@ _MAX_FENCE = 2**63 - 1
 class FenceGuard:
     """Keeps the highest fencing token per resource in a SQLite or PostgreSQL database.
 
-    ``connection`` is a ``sqlite3.Connection`` or a ``psycopg.Connection``;
-    ``table`` an identifier, optionally schema-qualified (``app.fences``). The
-    guard never commits or rolls back: the transaction is the caller's, so the
-    fence check and the guarded write succeed or fail together::
+    ``connection``: a ``sqlite3.Connection`` or a ``psycopg.Connection``; ``table``: an
+    identifier, optionally ``schema.table``. The guard never commits or rolls back: the
+    transaction is the caller's, so the check and the guarded write go together::
 
         guard = FenceGuard(conn)
         with conn:                                   # sqlite3: one transaction
@@ -94,13 +82,10 @@ class FenceGuard:
     def check(self, resource: str, fencing_token: int) -> None:
         """Record ``fencing_token`` for ``resource``, or raise ``StaleFence`` if a newer one exists.
 
-        Call it inside the transaction of the write it guards, before the write.
-        Raises ``RuntimeError`` when the connection is not in a transaction
-        (sqlite3 with ``isolation_level=None`` and no ``BEGIN``, psycopg in
-        autocommit outside ``conn.transaction()``): the fence would be recorded
-        apart from the write, and the write unguarded. An autocommitting connection
-        is refused before the statement, so nothing is recorded; any other is
-        checked again after it, when the driver has begun its transaction.
+        Call it inside the transaction of the write it guards, before the write;
+        ``RuntimeError`` outside one (sqlite3 autocommitting, psycopg in autocommit outside
+        ``conn.transaction()``): the fence would be recorded apart from the write. An
+        autocommitting connection is refused before the statement, any other checked after.
         """
         if not isinstance(resource, str) or not resource:
             raise ValueError("resource must be a non-empty string")

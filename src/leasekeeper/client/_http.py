@@ -1,4 +1,4 @@
-"""What the sync and async clients share: URLs, request bodies and reading a response.
+"""What the sync and async clients share of HTTP: URLs, request bodies, reading an answer.
 
 Every response goes through ``read_response``: a 2xx JSON object with ``ok`` is
 returned, anything else becomes an exception of the one tree through
@@ -8,8 +8,10 @@ returned, anything else becomes an exception of the one tree through
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -30,8 +32,10 @@ __all__ = [
     "DEFAULT_URL",
     "HEADERS",
     "MAX_RESPONSE_BYTES",
+    "AsyncBodyReader",
     "BodyReader",
     "api_root",
+    "async_within",
     "decode",
     "encode",
     "http_root",
@@ -40,6 +44,7 @@ __all__ = [
     "renewal_timeout",
     "route_prefix",
     "unreachable",
+    "within",
 ]
 
 BASE_PATH = "/services/v1"
@@ -54,9 +59,8 @@ HEADERS = {
     "accept-encoding": "identity",
 }
 
-#: The largest response body read. The service's largest answer is a stored result of
-#: 32 KiB (up to six times that once escaped) and a few fields; anything larger is not
-#: its answer (a wrong URL serving a download), and is not read into memory.
+#: The largest response body read: the service's largest answer is a 32 KiB result (up to
+#: six times that escaped); a larger one (a wrong URL serving a download) is not its.
 MAX_RESPONSE_BYTES = 1 << 20
 
 #: Absent a value, these fields are left out of the body (the service's defaults apply).
@@ -64,9 +68,8 @@ _OPTIONAL = ("namespace", "ttl_seconds", "fingerprint")
 
 
 def renewal_timeout(timeout: object) -> float:
-    """Seconds a renewal may take at most: the client's ``timeout`` (an ``httpx.Timeout``'s
-    read timeout), or ``DEFAULT_TIMEOUT`` when there is none (``None``): a renewal must
-    always be bounded, and it is also never longer than the lease."""
+    """Seconds a renewal may take at most (also never longer than the lease): the client's
+    ``timeout`` (an ``httpx.Timeout``'s read timeout), else ``DEFAULT_TIMEOUT``."""
     if isinstance(timeout, httpx.Timeout) and timeout.read is not None:
         return timeout.read
     return float(timeout) if isinstance(timeout, int | float) else DEFAULT_TIMEOUT
@@ -81,11 +84,9 @@ def api_root(base_url: str) -> str:
 def http_root(base_url: str | None) -> str:
     """The API root of ``base_url`` (by default ``DEFAULT_URL``) for a client of our own.
 
-    ``ValueError`` unless it is an ``http://`` or ``https://`` URL with a host (and a
-    port in range, and no query or fragment, which the API path would follow): one
-    without its scheme (``127.0.0.1:8787``) would fail every request as unreachable,
-    which a caller waiting for ever (``once``) would retry for ever. The message does
-    not repeat the URL, which may hold credentials.
+    ``ValueError`` (not repeating the URL, which may hold credentials) unless it is
+    ``http://`` or ``https://`` with a host, a port in range, no query or fragment: one
+    without its scheme would fail every request as unreachable, for ever under ``once``.
     """
     root = api_root(base_url or DEFAULT_URL)
     try:
@@ -109,12 +110,8 @@ def http_root(base_url: str | None) -> str:
 
 def route_prefix(base_url: str | None, client: Any) -> str:
     """What goes before a route on an injected ``client``: ``base_url``'s API root when
-    given, else nothing when the client's own base URL ends at the API root already
-    (``.../services/v1``), else ``/services/v1``.
-
-    ``ValueError`` as from ``http_root`` unless the URL used (``base_url``, else the
-    client's own, which must then be there) is ``http://`` or ``https://`` with a host.
-    """
+    given, else nothing when the client's own base URL ends at the API root already,
+    else ``/services/v1``. ``ValueError`` as from ``http_root`` for the URL used."""
     if base_url:
         return http_root(base_url)
     own = str(getattr(client, "base_url", "")).rstrip("/")
@@ -128,13 +125,12 @@ def lease_body(**fields: Any) -> dict[str, Any]:
 
 
 def encode(body: dict[str, Any]) -> bytes:
-    """Compact UTF-8 JSON; raises ``TypeError`` for values JSON cannot hold.
+    """Compact UTF-8 JSON; ``TypeError`` for NaN, the infinities, a lone surrogate or any
+    value that is not a JSON type, before anything is sent.
 
-    Python's ``json``, not orjson: orjson writes NaN and infinities as ``null`` and
-    dates, UUIDs and dataclasses as strings or objects, so a result would be stored
-    other than it was given, and it refuses integers past 64 bits, which the
-    service takes. Here NaN, the infinities, a lone surrogate and any value that is
-    not a JSON type are refused before anything is sent.
+    Python's ``json``, not orjson: orjson writes NaN as ``null`` and dates or UUIDs as
+    strings (a result would be stored other than given), and refuses integers past 64
+    bits, which the service takes.
     """
     try:
         text = json.dumps(body, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
@@ -160,14 +156,10 @@ _decoder = json.JSONDecoder(parse_constant=_no_constant, object_pairs_hook=_uniq
 
 
 def decode(text: bytes | str) -> Any:
-    """Strict JSON, as the service reads it: no NaN, no number too large for a double
-    (``1e400``), no repeated names, no lone surrogate, nesting at most 64 levels;
-    raises ``ValueError`` for anything else, saying what is wrong without repeating
-    any of the text (it may hold secrets).
-
-    Python's ``json``, not orjson: orjson reads an integer past 64 bits as a float,
-    so a result the service stores and returns exactly (``10**30 + 1``) would come
-    back as ``1e+30``."""
+    """Strict JSON, as the service reads it (no NaN, no ``1e400``, no repeated names, no
+    lone surrogate, at most 64 levels); ``ValueError`` says what is wrong without
+    repeating the text, which may hold secrets. Python's ``json``, not orjson, which
+    reads an integer past 64 bits (``10**30 + 1``, stored exactly) as a float."""
     try:
         if isinstance(text, bytes):
             text = text.decode("utf-8")
@@ -213,22 +205,19 @@ def _retry_after(response: httpx.Response) -> int | None:
 
 
 class BodyReader:
-    """Gathers a response body as it arrives, chunk by chunk: ``InternalError``
-    for a compressed one (``HEADERS`` asks for none) or past ``MAX_RESPONSE_BYTES``, and
-    ``ServiceUnreachable`` for a chunk that arrives after ``deadline`` (``monotonic``
-    seconds; None: no deadline). httpx's timeout bounds each read, not the whole body: a
-    server sending a byte at a time would hold the caller for as long as it likes."""
+    """Gathers a response body chunk by chunk: ``InternalError`` for a compressed one or
+    past ``MAX_RESPONSE_BYTES``, ``ServiceUnreachable`` for a chunk arriving more than
+    ``limit`` seconds from now (None: no limit; httpx's timeout bounds each read only)."""
 
-    def __init__(self, deadline: float | None, monotonic: Callable[[], float]) -> None:
-        self._deadline = deadline
+    def __init__(self, limit: float | None, monotonic: Callable[[], float]) -> None:
+        self._deadline = None if limit is None else monotonic() + limit
         self._monotonic = monotonic
         self._parts: list[bytes] = []
         self._size = 0
 
     def start(self, response: httpx.Response) -> bool:
-        """Before the body: whether to read it. An encoded one is not inflated: a success
-        is then refused, and a refusal (a proxy's compressed 503 page, say) is classified
-        by its status and headers alone, as any body not the service's would be."""
+        """Before the body: whether to read it. An encoded one is not inflated: a success is
+        then refused, a refusal (a proxy's compressed 503) classified by status and headers."""
         encoding = response.headers.get("content-encoding", "").strip().lower()
         if encoding in ("", "identity"):
             return True
@@ -246,6 +235,30 @@ class BodyReader:
 
     def content(self) -> bytes:
         return b"".join(self._parts)
+
+
+class AsyncBodyReader(BodyReader):
+    """``BodyReader`` for the async client, whose ``async_within`` bounds the whole
+    exchange: no limit of its own."""
+
+    def __init__(self, limit: float | None, monotonic: Callable[[], float]) -> None:
+        super().__init__(None, monotonic)
+
+
+def within(limit: float | None) -> contextlib.nullcontext[None]:
+    """The sync twin of ``async_within``: nothing (``BodyReader`` keeps the limit)."""
+    return contextlib.nullcontext()
+
+
+@contextlib.asynccontextmanager
+async def async_within(limit: float | None) -> AsyncIterator[None]:
+    """Bound a whole exchange, the response's head included, to ``limit`` seconds (None:
+    no bound): ``ServiceUnreachable`` when it is not over by then."""
+    try:
+        async with asyncio.timeout(limit):
+            yield
+    except TimeoutError:
+        raise ServiceUnreachable("The lease service's answer did not arrive in time") from None
 
 
 def read_response(response: httpx.Response, content: bytes) -> dict[str, Any]:

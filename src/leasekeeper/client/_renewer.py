@@ -1,11 +1,9 @@
 """Background renewal: one explicit worker per held lease, sync (a thread) and async (a task).
 
-A worker turn waits on a stop event *with a timeout* (never ``sleep``), so
-stopping it takes effect at once; then it renews, and reschedules from the
-``RenewalPlan``. It holds the lease weakly: a lease object nobody holds any more
-is not renewed for ever by a forgotten worker. Every way renewal can end badly
-reaches the lease's ``_lost`` (which sets ``lease.lost``, logs a WARNING and calls
-``on_lost``); a worker never dies silently::
+A turn waits on a stop event *with a timeout* (never ``sleep``), so stopping takes
+effect at once; then it renews and reschedules from the ``RenewalPlan``. The lease is
+held weakly, so a forgotten one is not renewed for ever. Every way renewal can end
+badly reaches the lease's ``_lost`` (``lost`` set, a WARNING, ``on_lost``)::
 
     renew ok ──────────> next turn at sent_at + ttl/3
     lost (409) ────────> lease lost, worker ends
@@ -16,8 +14,8 @@ reaches the lease's ``_lost`` (which sets ``lease.lost``, logs a WARNING and cal
     granted < asked ───> lifecycle end: no more renewals; lost at the expiry
     stop() ────────────> worker ends, touches the lease no more
 
-Clock, events and the thread or task factory are injected, so tests drive the
-worker turn by turn (``step()``) on a fake clock.
+Clock, events and the thread or task factory are injected: tests drive the worker turn
+by turn (``step()``) on a fake clock.
 """
 
 from __future__ import annotations
@@ -54,16 +52,20 @@ log = logging.getLogger("leasekeeper.client")
 
 
 class Unproven(LeaseLost):
-    """Raised by a lease's renewal for an answer that cannot prove ownership, though the
-    service did not say it is gone (one with another fencing token): the worker reports
-    it as a plain ``LeaseLost`` that leaving the block still releases (``maybe_held``)."""
+    """A renewal's answer that cannot prove ownership (another fencing token), though the
+    service did not say it is gone: reported as a ``LeaseLost`` the block still releases."""
 
 
-def _report_lost(error: LeaseLost) -> tuple[LeaseLost, bool]:
-    """What the lease is told of ``error``: the error, and whether it may still be held."""
+def _failure(error: LeaseError) -> tuple[LeaseLost, bool] | None:
+    """What a renewal refused with ``error`` means (the module's table): None to try again
+    soon, else the error the lease is lost with and whether it may still be held."""
     if isinstance(error, Unproven):
         return LeaseLost(error.error), True
-    return error, False
+    if isinstance(error, LeaseLost):
+        return error, False
+    if isinstance(error, _RETRIED):
+        return None
+    return _refused(error), True
 
 
 class Waiter(Protocol):
@@ -148,6 +150,12 @@ def _expired(plan: RenewalPlan) -> LeaseLost:
     )
 
 
+def _crashed() -> LeaseLost:
+    return LeaseLost(
+        "Lease renewal stopped on an unexpected error; ownership can no longer be assured"
+    )
+
+
 def _unanswered() -> LeaseLost:
     return LeaseLost("The lease expired while a renewal was still waiting for its answer")
 
@@ -192,10 +200,8 @@ def _log_final(plan: RenewalPlan, now: float) -> None:
 class RenewalWorker:
     """Renews one lease from a thread until it is stopped, the lease is lost, or gone.
 
-    ``step()`` is one turn; ``run()`` (the thread's target) repeats it. The lease
-    is held through a weak reference; ``stop()`` sets the stop event and joins the
-    thread, after which the worker no longer acts on the lease, even if a request
-    was still in flight.
+    ``step()`` is one turn; ``run()`` (the thread's target) repeats it. After ``stop()``
+    the worker no longer acts on the lease, even if a request was still in flight.
     """
 
     def __init__(
@@ -228,10 +234,9 @@ class RenewalWorker:
         self._started = True  # only now: a thread that never started cannot be joined
 
     def stop(self, *, wait: bool = True) -> bool:
-        """End renewal now; waits for a renewal in flight (up to the request timeout)
-        unless ``wait`` is false: then a renewal still in flight is left to end by
-        itself, and does not act on the lease when it does. False when a renewal is
-        still in flight (not waited for, or not over in time)."""
+        """End renewal now, waiting for a renewal in flight (up to the request timeout)
+        unless ``wait`` is false; False when one is still in flight (it will not act on
+        the lease when it ends)."""
         self._stop.set()
         if not self._started or self._thread is threading.current_thread():
             return True
@@ -248,6 +253,11 @@ class RenewalWorker:
             return False
         return True
 
+    def _stop_on_exit(self, *, lost: bool, release: bool) -> bool:
+        """``stop`` as the lease's block is left: a renewal in flight is waited for only when
+        the lease is to be ``release``d. Whether the lease may be released now."""
+        return self.stop(wait=release)
+
     def run(self) -> None:
         """Turn after turn until done; an unexpected error marks the lease lost, loudly."""
         try:
@@ -257,13 +267,7 @@ class RenewalWorker:
             log.exception("the lease renewal worker failed")
             lease = self._lease()
             if lease is not None and not self.stopped:
-                lease._lost(
-                    LeaseLost(
-                        "Lease renewal stopped on an unexpected error; "
-                        "ownership can no longer be assured"
-                    ),
-                    maybe_held=True,
-                )
+                lease._lost(_crashed(), maybe_held=True)
 
     def step(self) -> bool:
         """Wait until the next renewal is due, then renew; False when the worker is done."""
@@ -284,22 +288,17 @@ class RenewalWorker:
         timeout = min(self._request_timeout, max(plan.expires_at - now, MIN_RETRY_SECONDS))
         try:
             granted = lease._renew_for_worker(timeout, lambda: self._watch_expiry(lease))
-        except LeaseLost as error:
-            if not self.stopped:
-                told, maybe_held = _report_lost(error)
-                lease._lost(told, maybe_held=maybe_held)
-            return False
-        except _RETRIED as error:
+        except LeaseError as error:
             if self.stopped:
+                return False
+            failure = _failure(error)
+            if failure is not None:
+                lease._lost(failure[0], maybe_held=failure[1])
                 return False
             later = self._monotonic()
             plan.failed(later, error.retry_after or 1)
             _log_retry(plan, error, later)
             return True
-        except LeaseError as error:
-            if not self.stopped:
-                lease._lost(_refused(error), maybe_held=True)
-            return False
         if granted is None or self.stopped:
             return False
         plan.renewed(granted, now)
@@ -310,11 +309,8 @@ class RenewalWorker:
     @contextlib.contextmanager
     def _watch_expiry(self, lease: _SyncLease) -> Iterator[None]:
         """Around a renewal's request: report the lease lost if no answer has come by the
-        local expiry.
-
-        httpx's timeout bounds each read, not a whole request: a server that sends its
-        answer a byte at a time, or a name lookup that hangs, would hold the renewal
-        (and so the report of a lost lease) past the expiry for as long as it lasts.
+        local expiry. httpx's timeout bounds each read, not a whole request: an answer sent
+        a byte at a time, or a hanging name lookup, would hold the report past the expiry.
         """
         answered = self._event_factory()
         seconds = max(self.plan.expires_at - self._monotonic(), 0.0)
@@ -361,8 +357,7 @@ class AsyncRenewalWorker:
 
     async def stop(self, *, cancel: bool = True) -> None:
         """End renewal now, cancelling a renewal in flight; with ``cancel`` false the task
-        is left to end by itself (an ``on_lost`` it is running runs to its end), and acts
-        on the lease no more."""
+        ends by itself (an ``on_lost`` it runs runs to its end), acting on the lease no more."""
         self._stop.set()
         task = self._task
         if not cancel or task is None or task is asyncio.current_task() or task.done():
@@ -372,6 +367,13 @@ class AsyncRenewalWorker:
         # of the caller itself still propagates.
         await asyncio.wait([task])
 
+    async def _stop_on_exit(self, *, lost: bool, release: bool) -> bool:
+        """``stop`` as the lease's block is left: a lost lease's task is not cancelled (it
+        may be running ``on_lost``, which runs to its end; a renewal in flight ends by its
+        own deadline and acts on nothing). True: the lease may be released now."""
+        await self.stop(cancel=not lost)
+        return True
+
     async def run(self) -> None:
         try:
             while await self.step():
@@ -380,13 +382,7 @@ class AsyncRenewalWorker:
             log.exception("the lease renewal worker failed")
             lease = self._lease()
             if lease is not None and not self.stopped:
-                await lease._lost(
-                    LeaseLost(
-                        "Lease renewal stopped on an unexpected error; "
-                        "ownership can no longer be assured"
-                    ),
-                    maybe_held=True,
-                )
+                await lease._lost(_crashed(), maybe_held=True)
 
     async def step(self) -> bool:
         """Wait until the next renewal is due, then renew; False when the worker is done."""
@@ -429,22 +425,17 @@ class AsyncRenewalWorker:
                 max(plan.expires_at - later, 0.0),
             )
             return True
-        except LeaseLost as error:
-            if not self.stopped:
-                told, maybe_held = _report_lost(error)
-                await lease._lost(told, maybe_held=maybe_held)
-            return False
-        except _RETRIED as error:
+        except LeaseError as error:
             if self.stopped:
+                return False
+            failure = _failure(error)
+            if failure is not None:
+                await lease._lost(failure[0], maybe_held=failure[1])
                 return False
             later = self._monotonic()
             plan.failed(later, error.retry_after or 1)
             _log_retry(plan, error, later)
             return True
-        except LeaseError as error:
-            if not self.stopped:
-                await lease._lost(_refused(error), maybe_held=True)
-            return False
         if granted is None or self.stopped:
             return False
         plan.renewed(granted, now)

@@ -1,8 +1,7 @@
 """What the client's calls return: small frozen records read from response bodies.
 
-Times come as aware UTC ``datetime`` values; the ``*_timestamp`` fields keep the
-service's integer Unix seconds. The raw JSON body is kept in ``body`` for tools
-that print it (the CLI); the owner token is left out of ``repr``.
+Times are aware UTC ``datetime`` values (``*_timestamp``: the service's Unix seconds);
+``body`` keeps the JSON for tools that print it (the CLI); no ``repr`` shows the token.
 """
 
 from __future__ import annotations
@@ -27,12 +26,9 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """A lease this caller holds: the answer to an acquire (201) or a renew.
-
-    ``ttl_seconds`` is the time granted, rounded down, and shorter than asked near
-    the end of the key's lifecycle. ``lease_expires_at`` is never later than the
-    real expiry.
-    """
+    """A lease this caller holds: the answer to an acquire (201) or a renew. ``ttl_seconds``
+    is the time granted, rounded down (shorter than asked near the end of the key's
+    lifecycle); ``lease_expires_at`` is never later than the real expiry."""
 
     owner_token: str = field(repr=False)
     fencing_token: int

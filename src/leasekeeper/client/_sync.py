@@ -1,4 +1,8 @@
-"""The synchronous client: ``LeaseClient`` and the ``HeldLease`` its ``lease()`` yields."""
+"""The synchronous client: ``LeaseClient`` and the ``HeldLease`` of its ``lease()``.
+
+Generated from ``_async.py`` by ``scripts/unasync.py``: edit that module, then run
+``python scripts/unasync.py``; ``make test`` fails while this one is not current.
+"""
 
 from __future__ import annotations
 
@@ -16,17 +20,13 @@ from typing import Any, ParamSpec
 import httpx
 
 from leasekeeper._clock import elapsed_seconds
-from leasekeeper._errors import (
-    LeaseError,
-    LeaseHeld,
-    LeaseLost,
-)
+from leasekeeper._errors import LeaseError, LeaseHeld, LeaseLost
 from leasekeeper.client._common import (
     FENCE_CHANGED,
-    NOT_OWNED,
     ONCE_LEASE,
     UNSURE_COMPLETE,
     WAITABLE,
+    HeldLeaseBase,
     OnLost,
     OnWait,
     Wait,
@@ -45,6 +45,7 @@ from leasekeeper.client._http import (
     renewal_timeout,
     route_prefix,
     unreachable,
+    within,
 )
 from leasekeeper.client._renewer import RenewalWorker, ThreadFactory, Unproven, Waiter
 from leasekeeper.client._results import (
@@ -67,17 +68,12 @@ P = ParamSpec("P")
 
 
 class LeaseClient:
-    """A client for the leasekeeper HTTP API.
+    """A client for the leasekeeper HTTP API (the README's "Python client" says it all).
 
-    ``LeaseClient("http://127.0.0.1:8787")`` opens its own ``httpx.Client``;
-    pass ``client=`` to use yours (its ``base_url`` applies when ``base_url`` is
-    not given) or ``transport=`` to put any ``httpx`` transport underneath.
-    Every refusal raises the matching exception of ``leasekeeper``'s one tree
-    (``LeaseHeld``, ``LeaseLost``, ``FingerprintConflict``, ...), and a request
-    that gets no answer raises ``ServiceUnreachable``.
-
-    ``monotonic``, ``event_factory``, ``thread_factory`` and ``random`` drive
-    waiting and background renewal; tests replace them to run on a fake clock.
+    It opens its own ``httpx.Client`` unless given ``client=`` (whose ``base_url``
+    applies when ``base_url`` is not given) or ``transport=``. A refusal raises the
+    matching exception of ``leasekeeper``'s one tree; no answer, ``ServiceUnreachable``.
+    ``monotonic``, ``event_factory``, ``thread_factory`` and ``random`` are for tests.
     """
 
     def __init__(
@@ -125,27 +121,30 @@ class LeaseClient:
 
     # -- the five operations -------------------------------------------------------------------
 
-    def _post(self, route: str, body: dict[str, Any], request_seconds: float | None = None) -> Any:
+    def _post(
+        self, route: str, body: dict[str, Any], request_seconds: float | None = None
+    ) -> dict[str, Any]:
         content = encode(body)
         url = self._prefix + route
         # Timeouts only on our own client: an injected one keeps its settings (Starlette's
-        # TestClient, for one, refuses a per-request timeout). The request's time bounds
-        # the whole answer's arrival too, not only each read (``BodyReader``).
+        # TestClient refuses a per-request timeout). A number of seconds (not None, nor an
+        # httpx.Timeout) bounds the whole answer's arrival too.
         seconds = self.timeout if request_seconds is None else request_seconds
         owned = self._owns_http
-        bounded = owned and isinstance(seconds, int | float)  # not None, nor an httpx.Timeout
-        reader = BodyReader(self._monotonic() + seconds if bounded else None, self._monotonic)
+        limit = seconds if owned and isinstance(seconds, int | float) else None
+        reader = BodyReader(limit, self._monotonic)
         try:
-            if request_seconds is None or not owned:
-                streamed = self._http.stream("POST", url, content=content, headers=HEADERS)
-            else:
-                streamed = self._http.stream(
-                    "POST", url, content=content, headers=HEADERS, timeout=request_seconds
-                )
-            with streamed as response:
-                if reader.start(response):  # never an encoded body: nothing is inflated
-                    for chunk in response.iter_bytes():
-                        reader.add(chunk)
+            with within(limit):
+                if request_seconds is None or not owned:
+                    streamed = self._http.stream("POST", url, content=content, headers=HEADERS)
+                else:
+                    streamed = self._http.stream(
+                        "POST", url, content=content, headers=HEADERS, timeout=request_seconds
+                    )
+                with streamed as response:
+                    if reader.start(response):  # never an encoded body: nothing is inflated
+                        for chunk in response.iter_bytes():
+                            reader.add(chunk)
         except httpx.RequestError as exc:  # no answer, or none that could be read
             raise unreachable(exc) from exc
         return read_response(response, reader.content())
@@ -165,14 +164,10 @@ class LeaseClient:
         on_wait: OnWait | None = None,
     ) -> Lease | Completed:
         """Take the lease on ``key``: a ``Lease`` (yours now) or the ``Completed`` result.
-
-        With ``wait`` (seconds, a ``timedelta`` or ``math.inf``) a held key, a rate
-        limit or an unavailable service is retried with backoff guided by
-        ``Retry-After`` until the wait is over; then the last error is raised
-        (``LeaseHeld`` for a key still held). ``on_wait(error, delay)`` is told
-        before each pause.
-        """
-        return self._acquire(namespace, key, ttl, fingerprint, wait, on_wait)[0]
+        With ``wait`` (seconds, a ``timedelta``, ``math.inf``) a held key, a rate limit or
+        an outage is retried with backoff; ``on_wait(error, delay)`` is told of each pause."""
+        outcome, _ = self._acquire(namespace, key, ttl, fingerprint, wait, on_wait)
+        return outcome
 
     def _acquire(
         self,
@@ -246,12 +241,9 @@ class LeaseClient:
         on_lost: OnLost | None = None,
         on_wait: OnWait | None = None,
     ) -> HeldLease:
-        """A lease for a ``with`` block: acquired on entry, renewed, released on exit.
-
-        See ``HeldLease``. ``wait`` and ``on_wait`` are ``acquire``'s; ``on_lost``
-        is called once if the lease is lost: from the renewal thread, or from the
-        thread whose ``check()`` found the local expiry first.
-        """
+        """A lease for a ``with`` block: acquired on entry, renewed, released on exit
+        (see ``HeldLease``). ``wait`` and ``on_wait`` are ``acquire``'s; ``on_lost`` is
+        called once if the lease is lost."""
         return HeldLease(
             self,
             namespace,
@@ -273,23 +265,13 @@ class LeaseClient:
         wait: Wait = math.inf,
         on_lost: OnLost | None = None,
     ) -> Callable[[Callable[P, Any]], Callable[P, Any]]:
-        """Run the decorated function at most once per key and fingerprint, across workers.
+        """Run the decorated function (in the async client, a coroutine function) at most
+        once per key and fingerprint, across workers; every caller gets the stored result.
 
-        ``key`` and ``fingerprint`` are values or functions of the call's
-        arguments. The first caller holds the lease while the function runs and
-        stores its return value (JSON) with ``complete``; every caller, the first
-        included, gets the *stored* result, so all see the same (redacted) value.
-        Other callers wait while the key is held (by default for ever); if the
-        function raises, the lease is released and the next caller runs it.
-
-        Inside the function ``current_lease()`` is its ``HeldLease``: a worker paused
-        past its TTL loses the lease and another caller may run the function, so check
-        it before side effects and send its ``fencing_token`` with writes. A
-        ``complete`` whose answer does not say whether it stored the result
-        (``unsure_complete``: unavailable, unreachable, 429, 408, a 500, an unreadable
-        answer) is tried again while the lease is held; a return value that cannot be stored
-        (not JSON: ``TypeError``; over 32 KiB: ``PayloadTooLarge``) raises after the
-        function ran, and the next caller runs it again.
+        ``key`` and ``fingerprint`` are values or functions of the call's arguments.
+        Others wait while the key is held (by default for ever); if the function raises,
+        the next caller runs it. Inside it ``current_lease()`` is its lease. A
+        ``complete`` whose answer does not say whether it stored the result is retried.
         """
 
         def decorate(function: Callable[P, Any]) -> Callable[P, Any]:
@@ -322,8 +304,7 @@ class LeaseClient:
 
     def _complete_once(self, lease: HeldLease, value: Any) -> Any:
         """``lease.complete(value)``, tried again while the lease is held after an answer
-        that does not say whether it was stored (``unsure_complete``), so that work done
-        is not done again for a blip."""
+        that does not say whether it was stored (``unsure_complete``)."""
         attempt, deadline = 0, math.inf
         while True:
             try:
@@ -342,98 +323,23 @@ class LeaseClient:
                 attempt += 1
 
 
-class HeldLease:
-    """A lease held for a ``with`` block and renewed in the background.
+class HeldLease(HeldLeaseBase["LeaseClient"]):
+    """A lease held for a ``with`` block: acquired on entry, renewed about every
+    third of ``ttl``, released on exit unless completed or lost on the service's word.
 
-    On entry the key is acquired (waiting up to ``wait``); a renewal thread then
-    renews it about every third of ``ttl``. On exit renewal stops, and the lease
-    is released unless it was completed or lost, also when the block raised (one
-    lost to a renewal refused otherwise than ``lost``, or answered with another
-    fencing token, is released too: the service may still hold it).
-
-    If the key was already completed with this fingerprint, ``completed`` is
-    true and ``result`` holds the stored result: nothing is renewed or released.
-
-    If ownership ends early (the service answers ``lost``, renewals keep failing
-    until the lease's expiry, or the key's lifecycle ends), ``lost`` is set,
-    ``lost_error`` says why, ``on_lost`` is called and a WARNING is logged; from
-    then on ``check()`` raises ``LeaseLost``. Call ``check()`` before each side
-    effect, and send ``fencing_token`` along with writes to the protected system.
+    A key already completed with this fingerprint gives ``completed`` and the stored
+    ``result``. If ownership ends early, ``lost`` is set, ``lost_error`` says why,
+    ``on_lost`` is called and ``check()`` raises ``LeaseLost`` (the README's "How the
+    client behaves" says every case).
     """
 
-    def __init__(
-        self,
-        client: LeaseClient,
-        namespace: str | None,
-        key: str,
-        *,
-        ttl: int,
-        fingerprint: str | None,
-        wait: Wait,
-        on_lost: OnLost | None,
-        on_wait: OnWait | None,
-    ) -> None:
-        if type(ttl) is not int:  # not a bool or None either: the renewal plan needs seconds
-            raise TypeError("ttl must be a whole number of seconds (an int)")
-        self._client = client
-        self._namespace = namespace
-        self._key = key
-        self._ttl = ttl
-        self._fingerprint = fingerprint
-        self._wait = wait
-        self._on_lost = on_lost
-        self._on_wait = on_wait
-        #: Set once ownership ended without this object ending it.
-        self.lost = threading.Event()
-        self.lost_error: LeaseLost | None = None
-        self.completed = False
-        self.result: Any = None
-        #: The latest grant (acquire, then each renewal); None until entered or if completed.
-        self.grant: Lease | None = None
-        self.completion: Completed | None = None
-        self.renewer: RenewalWorker | None = None
-        # Serializes owner operations (renew, complete, release) between the block and
-        # the renewal thread, so a renewal never lands after a complete or release.
-        self._lock = threading.Lock()
-        self._lost_lock = threading.Lock()
-        self._entered = False
-        self._ended = False  # this object ended ownership (completed, released, exited)
-        #: A complete's answer did not say whether it stored the result (``complete``).
-        self._unsure = False
-        #: Lost for want of proof, not on the service's word (a renewal refused otherwise
-        #: than ``lost``): the service may still hold it, so leaving releases it.
-        self._maybe_held = False
-
-    def __repr__(self) -> str:
-        state = (
-            "completed"
-            if self.completed
-            else "lost"
-            if self.lost.is_set()
-            else "ended"
-            if self._ended
-            else "held"
-            if self._entered
-            else "not entered"
-        )
-        grant, completion = self.grant, self.completion
-        fence = grant.fencing_token if grant else completion.fencing_token if completion else None
-        return f"<HeldLease {state} fencing_token={fence}>"
-
-    @property
-    def fencing_token(self) -> int:
-        """The fence to send with writes: this owner's, also after it completed.
-
-        A key found completed on entry has none for this worker, which never held
-        it and must not write: ``LeaseLost``, as from ``check()``, so that a write
-        guarded by the fence (``FenceGuard``) cannot pass with the completer's.
-        That one is ``completion.fencing_token``.
-        """
-        if self.grant is not None:
-            return self.grant.fencing_token
-        if self.completed:
-            raise LeaseLost(NOT_OWNED)
-        raise RuntimeError("the lease has not been acquired; use it in a with block")
+    _NAME = "HeldLease"
+    _BLOCK = "a with block"
+    _EVENT = threading.Event
+    _LOCK = threading.Lock
+    lost: threading.Event
+    renewer: RenewalWorker | None
+    _lock: threading.Lock
 
     def __enter__(self) -> HeldLease:
         if self._entered:
@@ -473,13 +379,14 @@ class HeldLease:
         traceback: TracebackType | None,
     ) -> None:
         lost = self.lost.is_set()  # the service said so, or its expiry has passed
-        # A lost lease has nothing to release: a renewal still in flight (one that was
-        # not answered by the expiry) is not waited for, nor is the lock it holds; nor
-        # is the lock of one still in flight after the wait (the lease expires by itself).
-        # One lost to a refused renewal may still be held: it is released as a held one
-        # is (its worker has had its answer, and is ending).
+        # A lost lease has nothing to release, unless it was lost to a refused renewal:
+        # the service may still hold that one, and it is released as a held one is.
         release = not lost or self._maybe_held
-        stopped = self.renewer.stop(wait=release) if self.renewer is not None else True
+        stopped = (
+            self.renewer._stop_on_exit(lost=lost, release=release)
+            if self.renewer is not None
+            else True
+        )
         if not release or not stopped:
             self._ended = True
             if release:
@@ -498,40 +405,19 @@ class HeldLease:
                 self._client.release(self._namespace, self._key, self._token())
             except LeaseLost:
                 log.debug("the lease was no longer held at release")
-            except LeaseError as error:
+            except Exception as exc:  # a closed client too: the block's own exception goes on
+                why = exc.error if isinstance(exc, LeaseError) else type(exc).__name__
                 log.warning(
-                    "could not release the lease (%s); it expires by itself after its TTL",
-                    error.error,
-                )
-            except Exception as exc:  # a closed client: the block's own exception goes on
-                log.warning(
-                    "could not release the lease (%s); it expires by itself after its TTL",
-                    type(exc).__name__,
+                    "could not release the lease (%s); it expires by itself after its TTL", why
                 )
 
-    def check(self) -> None:
-        """Raise ``LeaseLost`` unless this lease is still held (by the local estimate)."""
-        if self.lost.is_set() and self.lost_error is not None:
-            raise LeaseLost(self.lost_error.error)
-        if self.completed:
-            raise LeaseLost("The work on this key is completed; there is no lease to hold")
-        if self._ended or not self._entered:
-            raise LeaseLost("The lease is not held (not entered, released or exited)")
-        renewer = self.renewer
-        if renewer is not None and renewer.plan.expired(self._client._monotonic()):
-            self._lost(LeaseLost("The lease expired before a renewal succeeded"))
-            raise LeaseLost("The lease expired before a renewal succeeded")
+    def _on_lost_from_check(self, error: LeaseLost) -> None:
+        self._call_on_lost(error)  # check() is not a coroutine
 
     def complete(self, result: Any) -> Any:
         """Store ``result`` and end ownership for good; returns the stored (redacted) result.
-
-        A result over 32 KiB raises ``PayloadTooLarge`` and leaves the lease held
-        and renewed; a lost lease raises ``LeaseLost``. An error that does not say
-        whether the result was stored (the service unavailable or unreachable, a 500,
-        an answer that cannot be read) stops the renewals, as a renewal would be
-        answered lost if it was; call ``complete`` again, before the lease expires, to
-        find out: a result this owner stored is then returned, not refused.
-        """
+        After an error that does not say whether it was stored (``unsure_complete``),
+        renewals stop: call ``complete`` again before the lease expires to find out."""
         try:
             return self._complete(result, retried=self._unsure)
         except LeaseError as error:
@@ -540,9 +426,8 @@ class HeldLease:
             raise
 
     def _complete(self, result: Any, *, retried: bool) -> Any:
-        """``complete``; ``retried`` when an earlier attempt's answer was lost, so that it
-        may have stored the result: then the service decides (no local check first), and
-        a ``lost`` is looked into (``_stored_by_us``) before it is believed."""
+        """``complete``; ``retried`` when an earlier attempt may have stored the result:
+        no local check first, and a ``lost`` is looked into (``_stored_by_us``)."""
         if not retried:
             self.check()
         unsure: LeaseError | None = None
@@ -578,13 +463,9 @@ class HeldLease:
         return self.result
 
     def _stored_by_us(self) -> Completed | None:
-        """After a retried complete answered ``lost``: the result an earlier attempt of
-        this owner stored (its answer lost on the way), or None.
-
-        Looked up as any worker would, with an acquire of the key and fingerprint: the
-        key completed with this owner's fence is ours. A key found free (this lease had
-        ended) is let go again at once, and one held by another owner is not ours. A
-        lookup that gets no answer (``unsure_complete``) raises: still unsure, not lost."""
+        """The result an earlier attempt of this owner stored, or None, after a retried
+        complete answered ``lost``: looked up with an acquire (a key found free is let go
+        again at once)."""
         try:
             found = self._client.acquire(
                 self._namespace, self._key, ttl=1, fingerprint=self._fingerprint
@@ -611,17 +492,6 @@ class HeldLease:
 
     # -- for the renewal worker ------------------------------------------------------------------
 
-    def _renewal_stopped(self) -> bool:
-        """Whether renewal was told to stop (a renewal waiting for the lock then sends none),
-        or a ``complete`` may have stored the result (``_unsure``): a renewal would then be
-        answered lost, and report as lost a lease whose work is stored."""
-        return self._unsure or (self.renewer is not None and self.renewer.stopped)
-
-    def _token(self) -> str:
-        if self.grant is None:  # pragma: no cover - guarded by the callers
-            raise RuntimeError("the lease has not been acquired")
-        return self.grant.owner_token
-
     def _renew_for_worker(
         self, request_seconds: float, deadline: Callable[[], AbstractContextManager[object]]
     ) -> int | None:
@@ -644,16 +514,13 @@ class HeldLease:
         """Ownership ended without us: set ``lost``, log a WARNING, call ``on_lost`` once.
         ``maybe_held``: on no word of the service's (a renewal refused otherwise), so
         leaving the block still releases it."""
-        with self._lost_lock:
-            if self.lost.is_set() or self._ended:
-                return
-            self.lost_error = error
-            self._maybe_held = maybe_held
-            self.lost.set()
-        fence = self.grant.fencing_token if self.grant else 0
-        log.warning("lease lost (fencing token %d): %s", fence, error.error)
-        if self._on_lost is not None:
-            try:
-                self._on_lost(error)
-            except Exception:
-                log.exception("the on_lost callback failed")
+        if self._set_lost(error, maybe_held=maybe_held):
+            self._call_on_lost(error)
+
+    def _call_on_lost(self, error: LeaseLost) -> None:
+        if self._on_lost is None:
+            return
+        try:
+            self._on_lost(error)
+        except Exception:
+            log.exception("the on_lost callback failed")

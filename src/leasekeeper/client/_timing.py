@@ -1,7 +1,7 @@
 """Pure timing decisions of the client: how long to wait for a held key, when to renew.
 
-No clock is read here: callers pass ``now`` (their monotonic seconds) and a
-random number, so tests can walk through every schedule without sleeping.
+No clock is read here: callers pass ``now`` (their monotonic seconds) and a random
+number, so tests walk through every schedule without sleeping.
 """
 
 from __future__ import annotations
@@ -48,18 +48,12 @@ def acquire_delay(
 ) -> float | None:
     """How long to wait before acquire attempt ``attempt + 1``; None when the wait is over.
 
-    The wait doubles from ``FIRST_POLL_SECONDS``, is never longer than
-    ``MAX_POLL_SECONDS``, and gets up to 20 % more at random (``rand`` in [0, 1))
-    so that workers told the same ``Retry-After`` do not come back together. For a
-    ``held`` key the wait before jitter is also never longer than the service's
-    ``retry_after`` (the lease's expiry), so a holder's early release or completion
-    is seen within 30 s; jitter only lengthens it (to at most 1.2 times
-    ``retry_after``), so waiters told the same expiry come back spread out after
-    it rather than all at once on it. A rate limit or an
-    unavailable service (``held=False``) means what HTTP's ``Retry-After`` means:
-    the wait is at least ``retry_after``, so waiting workers do not press a service
-    that asked them to hold off, up to ``MAX_HOLD_OFF_SECONDS``. The last attempt
-    lands on the deadline::
+    The wait doubles from ``FIRST_POLL_SECONDS`` up to ``MAX_POLL_SECONDS``, gets up to
+    ``JITTER`` more at random (``rand`` in [0, 1)) so that waiters spread out, and ends
+    on the deadline (``remaining``) at the latest. For a ``held`` key it is, before
+    jitter, no longer than ``retry_after`` (the lease's expiry), so an early release is
+    seen soon; otherwise (429, 503) it is at least ``retry_after``, as HTTP's
+    ``Retry-After`` means, up to ``MAX_HOLD_OFF_SECONDS``::
 
         attempt   0     1     2     3 ...
         wait    0.25  0.5   1.0   2.0 ...  held: capped by retry_after, 30 s, remaining
@@ -120,11 +114,8 @@ class RenewalPlan:
         self.next_at = self.expires_at if self.final else min(due, self.expires_at)
 
     def failed(self, now: float, retry_after: float) -> None:
-        """A renewal failed for a passing reason; try again before the expiry.
-
-        The next try is after ``retry_after``, but no later than the regular
-        interval or half the time left, so several tries fit before the expiry.
-        """
+        """A renewal failed for a passing reason: the next try is after ``retry_after``, but
+        no later than the interval or half the time left, so several fit before the expiry."""
         self.failures += 1
         left = self.expires_at - now
         pause = max(MIN_RETRY_SECONDS, min(retry_after, self.interval, left / 2.0))
