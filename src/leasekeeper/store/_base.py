@@ -15,12 +15,10 @@ from typing import NamedTuple, Protocol, runtime_checkable
 from leasekeeper._core.model import Command, Decision, LeaseRecord
 from leasekeeper._core.rules import decide
 from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
-from leasekeeper.store._batcher import Deadlines, settle
 
-__all__ = [  # Deadlines and settle: the PostgreSQL store's, until it uses the batcher
+__all__ = [
     "MAX_FENCING_TOKEN",
     "MAX_RAISED_FENCE",
-    "Deadlines",
     "Durable",
     "LiveCounter",
     "Purged",
@@ -29,7 +27,6 @@ __all__ = [  # Deadlines and settle: the PostgreSQL store's, until it uses the b
     "Throttled",
     "decide_in_turn",
     "decide_with_fence",
-    "settle",
 ]
 
 log = logging.getLogger("leasekeeper.store")
