@@ -536,7 +536,7 @@ def test_the_purge_reads_the_database_clock_once_and_bounds_an_index_scan(
     cleanup of 1M records took 762 ms). Read once in a subquery, it bounds the scan of
     the lifecycle index. The rows found are deleted by their ctid, without a second
     lookup of each in the primary key."""
-    from leasekeeper.store._postgres import _PURGE_AT_DB_NOW
+    from leasekeeper.store._postgres_sql import PURGE_AT_DB_NOW
 
     store = make_store("postgres", clock=None)
     create_schema(store)
@@ -544,7 +544,7 @@ def test_the_purge_reads_the_database_clock_once_and_bounds_an_index_scan(
         conn.execute(f"SET search_path = {store.schema}")  # type: ignore[attr-defined]
         conn.execute("SET enable_seqscan = off")  # any plan that can use an index does
         plan = "\n".join(
-            row[0] for row in conn.execute("EXPLAIN " + _PURGE_AT_DB_NOW, (200,)).fetchall()
+            row[0] for row in conn.execute("EXPLAIN " + PURGE_AT_DB_NOW, (200,)).fetchall()
         )
     # An index scan, or on an empty table a bitmap scan: either is bounded by the index.
     assert "on leasekeeper_leases_lifecycle_end" in plan, plan
@@ -575,7 +575,7 @@ def test_the_live_count_and_decisions_do_not_wait_for_each_other(
     """The count's query takes no lock a decision needs, and needs none a decision holds:
     it answers while a transaction holds every row for update, and decisions and
     cleanup go on while a transaction that ran the count is still open."""
-    from leasekeeper.store._postgres import _COUNT_LIVE_AT_DB_NOW
+    from leasekeeper.store._postgres_sql import COUNT_LIVE_AT_DB_NOW
 
     store = make_store("postgres", clock=None, timeout_seconds=2)
     key, owner = new_id(), new_id()
@@ -594,7 +594,7 @@ def test_the_live_count_and_decisions_do_not_wait_for_each_other(
                 other.execute("ROLLBACK")
                 other.execute("BEGIN")
                 other.execute(f"SET LOCAL search_path = {store.schema}")  # type: ignore[attr-defined]
-                counted = other.execute(_COUNT_LIVE_AT_DB_NOW).fetchone()
+                counted = other.execute(COUNT_LIVE_AT_DB_NOW).fetchone()
                 assert counted is not None and counted[0] == 2
                 started = time.monotonic()
                 renewed = await store.apply(Renew(key, owner, TTL))
@@ -615,7 +615,7 @@ def test_a_grant_during_a_raise_of_the_counter_draws_above_it(
     instance's, here the store's own) waits for the COMMIT and draws above the raised
     value, instead of the setval taking back what it drew. Here the raise's statements
     run on a connection of the test's, which holds the transaction open."""
-    from leasekeeper.store._postgres import _LOCK_FENCE, _READ_FENCE, _SET_FENCE
+    from leasekeeper.store._postgres_sql import LOCK_FENCE, READ_FENCE, SET_FENCE
 
     store = make_store("postgres", timeout_seconds=10)
 
@@ -640,12 +640,12 @@ def test_a_grant_during_a_raise_of_the_counter_draws_above_it(
             with admin(url) as raiser, admin(url) as watcher:
                 raiser.execute("BEGIN")
                 raiser.execute(f"SET LOCAL search_path = {schema}")
-                raiser.execute(_LOCK_FENCE)
-                assert raiser.execute(_READ_FENCE).fetchone() == (1,)
+                raiser.execute(LOCK_FENCE)
+                assert raiser.execute(READ_FENCE).fetchone() == (1,)
                 grant = asyncio.ensure_future(store.apply(acquire()))
                 assert await waiting_for_a_lock(watcher, schema)
                 assert not grant.done()
-                raiser.execute(_SET_FENCE, (500,))
+                raiser.execute(SET_FENCE, (500,))
                 raiser.execute("COMMIT")
                 decision = await grant
             assert isinstance(decision.outcome, Granted)
@@ -846,12 +846,12 @@ def test_only_a_database_that_cannot_write_at_all_fails_readiness(
     on this side (no severity) is never answered at once as a refusal."""
     from psycopg import errors as pg_errors
 
-    from leasekeeper.store._postgres import _severity
+    from leasekeeper.store._postgres_run import _severity
 
     store = make_store("postgres")  # not opened: the classification needs no database
 
     def refusing(exc: psycopg.Error) -> bool:
-        return bool(store._note_refusal(exc))  # type: ignore[attr-defined]
+        return bool(store._runner.note_refusal(exc))  # type: ignore[attr-defined]
 
     for counted in (
         pg_errors.DiskFull,
@@ -878,7 +878,7 @@ def test_a_503_says_which_of_the_connection_the_time_or_the_database_failed() ->
     database, a lock not available) "refused the request"."""
     from psycopg import errors as pg_errors
 
-    from leasekeeper.store._postgres import _unavailable
+    from leasekeeper.store._postgres_run import _unavailable
 
     assert "cannot be reached" in _unavailable(psycopg.OperationalError("connection lost"))
     assert "cannot be reached" in _unavailable(pg_errors.AdminShutdown())
@@ -1511,14 +1511,14 @@ def test_a_release_that_took_effect_is_released_even_once_a_new_owner_holds_the_
                 key, owner = new_id(), new_id()
                 granted = await store.apply(acquire(key, owner))
                 assert isinstance(granted.outcome, Granted)
-                landed = store._landed  # type: ignore[attr-defined]
+                landed = store._runner.landed  # type: ignore[attr-defined]
                 newer: list[Any] = []
 
                 async def after_a_new_owner(*args: Any) -> set[bytes]:
                     newer.append(await other.apply(acquire(key, new_id())))
                     return await landed(*args)  # type: ignore[no-any-return]
 
-                store._landed = after_a_new_owner  # type: ignore[attr-defined]
+                store._runner.landed = after_a_new_owner  # type: ignore[attr-defined]
                 relay.trap(COMMIT_MESSAGE, deliver=True)
                 released = await store.apply(Release(key, owner))
                 assert relay.trapped
@@ -1538,7 +1538,7 @@ def test_only_an_ended_owner_followed_by_a_new_one_counts_without_its_row() -> N
     transaction id must not tell an owner it holds a lease it lost, or that a result is
     stored that is not."""
     from leasekeeper._core.model import LeaseRecord
-    from leasekeeper.store._postgres import _ended_and_since
+    from leasekeeper.store._postgres_run import _ended_and_since
 
     key = new_id()
 
@@ -1560,7 +1560,7 @@ def test_a_transaction_id_the_database_never_issued_leaves_the_rows_to_decide(
     """After a failover to a standby whose transaction ids are behind, asking for the
     status of the lost COMMIT's id fails ("in the future"): the rows decide alone, the
     batch is not answered 503 for it, and a WARNING says to raise the fencing counter."""
-    from leasekeeper.store._postgres import _Attempt
+    from leasekeeper.store._postgres_run import Attempt
 
     store = make_store("postgres", timeout_seconds=3)
 
@@ -1569,14 +1569,14 @@ def test_a_transaction_id_the_database_never_issued_leaves_the_rows_to_decide(
             key, owner = new_id(), new_id()
             granted = await store.apply(acquire(key, owner))
             assert isinstance(granted.outcome, Granted)
-            attempt: _Attempt[Any] = _Attempt()
+            attempt: Attempt[Any] = Attempt()
             attempt.written = [granted.outcome.record]
             attempt.updated = {key}
             async with store._pool.connection() as conn:  # type: ignore[attr-defined]
                 now = await (await conn.execute("SELECT txid_current()")).fetchone()
             assert now is not None
             attempt.txid = int(now[0]) + 1_000_000  # not handed out yet: "in the future"
-            landed: set[bytes] = await store._landed(  # type: ignore[attr-defined]
+            landed: set[bytes] = await store._runner.landed(  # type: ignore[attr-defined]
                 store._pool,  # type: ignore[attr-defined]
                 attempt,
                 asyncio.get_running_loop().time() + 3,

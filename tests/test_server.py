@@ -652,7 +652,7 @@ def test_fence_through_a_symbolic_link_reads_the_store_as_a_server_would(
     db = real_dir / "store.db"
     crash = (
         "import os, sqlite3, sys\n"
-        "from leasekeeper.store._sqlite import _SCHEMA, SCHEMA_VERSION\n"
+        "from leasekeeper.store._sqlite_sql import SCHEMA as _SCHEMA, SCHEMA_VERSION\n"
         "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
         "c.execute('PRAGMA journal_mode = WAL')\n"
         "c.execute('PRAGMA wal_autocheckpoint = 0')\n"

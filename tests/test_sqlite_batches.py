@@ -39,14 +39,8 @@ from leasekeeper._core.model import (
     Renewed,
 )
 from leasekeeper.store import _syncer
-from leasekeeper.store._sqlite import (
-    _SCHEMA,
-    _SELECT_CHUNK,
-    SqliteStore,
-    _params,
-    _select_many,
-    _upsert,
-)
+from leasekeeper.store._sqlite import SqliteStore
+from leasekeeper.store._sqlite_sql import SCHEMA, SELECT_CHUNK, params, select_many, upsert
 from tests.conftest import not_ready_until_the_hold_ends
 
 TTL = 60_000
@@ -129,14 +123,14 @@ def test_a_batch_reads_records_written_by_earlier_batches(tmp_path: Path) -> Non
 
 
 def test_a_batch_of_more_keys_than_one_read_takes_finds_every_record(tmp_path: Path) -> None:
-    """A batch's records are read ``_SELECT_CHUNK`` keys at a time: in a batch of more
+    """A batch's records are read ``SELECT_CHUNK`` keys at a time: in a batch of more
     keys than that, every key's record is found, the ones at the chunks' edges too, so
     no live lease is taken for a new lifecycle (a second owner) under load."""
     clock = FakeClock()
-    count = _SELECT_CHUNK + 10
+    count = SELECT_CHUNK + 10
 
     async def main() -> None:
-        store = SqliteStore(tmp_path / "k.db", clock, max_batch=2 * _SELECT_CHUNK)
+        store = SqliteStore(tmp_path / "k.db", clock, max_batch=2 * SELECT_CHUNK)
         await store.open()
         keys = [new_id() for _ in range(count)]
         first = await asyncio.gather(
@@ -179,11 +173,11 @@ def test_a_request_whose_caller_is_gone_is_left_out_of_its_batch(
                 for key in keys
             ]
             await asyncio.sleep(0)  # all three are queued, and none is decided yet
-            assert len(store._pending) == 3 and not any(call.done() for call in calls)
+            assert len(store._batcher.pending) == 3 and not any(call.done() for call in calls)
             calls[1].cancel()
             if lock_elsewhere:
                 await asyncio.sleep(0)  # the batch goes to the thread, to wait for the lock
-                assert not store._pending and not calls[0].done()
+                assert not store._batcher.pending and not calls[0].done()
                 other.execute("COMMIT")
             first, third = await calls[0], await calls[2]
         with pytest.raises(asyncio.CancelledError):
@@ -421,10 +415,10 @@ def test_a_close_from_another_event_loop_waits_for_the_batches_in_flight(
             first = [queue_acquire(store) for _ in range(20)]
             for _ in range(3):  # the requests queue, then the batch goes to the thread
                 await asyncio.sleep(0)
-            assert not store._pending  # the first batch is on the thread, waiting
+            assert not store._batcher.pending  # the first batch is on the thread, waiting
             second = [queue_acquire(store) for _ in range(20)]
             await asyncio.sleep(0)
-            assert len(store._pending) == 20  # queued behind it
+            assert len(store._batcher.pending) == 20  # queued behind it
 
             async def close_then_free_the_lock() -> None:
                 closing = asyncio.ensure_future(store.close())
@@ -448,12 +442,12 @@ def test_a_close_from_another_event_loop_waits_for_the_batches_in_flight(
 def test_every_shape_of_record_is_written_as_it_is_and_overwrites_any_other(
     nulls: tuple[bool, bool, bool, bool], request: pytest.FixtureRequest
 ) -> None:
-    """Each combination of NULL columns has its own statement (``_upsert``): a record
+    """Each combination of NULL columns has its own statement (``upsert``): a record
     of each shape reads back equal, whether new or over a record of the opposite shape."""
     conn = sqlite3.connect(":memory:", isolation_level=None)
     request.addfinalizer(conn.close)  # Python 3.13's sqlite3 warns of one left to the GC
-    conn.executescript(_SCHEMA)
-    select = _select_many(1)
+    conn.executescript(SCHEMA)
+    select = select_many(1)
 
     def record(nulls: tuple[bool, ...], key: bytes) -> LeaseRecord:
         fingerprint, owner, completed, result = nulls
@@ -472,17 +466,17 @@ def test_every_shape_of_record_is_written_as_it_is_and_overwrites_any_other(
     for before in (None, tuple(not null for null in nulls)):
         key = new_id()
         if before is not None:
-            conn.execute(_upsert(_params(record(before, key))[0]), _params(record(before, key))[1])
+            conn.execute(upsert(params(record(before, key))[0]), params(record(before, key))[1])
         wanted = record(nulls, key)
-        shape, params = _params(wanted)
+        shape, bound = params(wanted)
         assert shape == nulls
-        conn.execute(_upsert(shape), params)
+        conn.execute(upsert(shape), bound)
         assert [LeaseRecord(*row) for row in conn.execute(select, (key,))] == [wanted]
 
 
 def test_the_writer_binds_no_bytes_and_no_none(tmp_path: Path) -> None:
     """Python 3.11's sqlite3 looks for an adapter (and formats an AttributeError) for
-    each bound ``bytes`` or ``None``: a batch binds neither (``_upsert``)."""
+    each bound ``bytes`` or ``None``: a batch binds neither (``upsert``)."""
     bound: list[object] = []
 
     class Recording(sqlite3.Connection):
@@ -811,19 +805,19 @@ def test_a_catch_up_runs_on_the_thread_between_two_batches(
     """When the checkpointer falls behind (a long WAL), the writer's connection copies
     the rest itself: on the thread, before the next batch, which the loop decides
     only after it, and the WAL can start over."""
-    from leasekeeper.store import _sqlite
+    from leasekeeper.store._sqlite_sync import Checkpointer
 
     seen: list[tuple[str, bool, bool]] = []
-    catch_up = _sqlite._Checkpointer.catch_up
+    catch_up = Checkpointer.catch_up
 
     def recording(self: Any, conn: sqlite3.Connection) -> None:
         seen.append((threading.current_thread().name, conn.in_transaction, self.behind))
         catch_up(self, conn)
 
-    monkeypatch.setattr(_sqlite._Checkpointer, "catch_up", recording)
+    monkeypatch.setattr(Checkpointer, "catch_up", recording)
     # No passes of the checkpointer's own: one still running when the flag is set below
     # would clear it as it ends (the first acquire's fsync pokes it).
-    monkeypatch.setattr(_sqlite._Checkpointer, "poke", lambda self: None)
+    monkeypatch.setattr(Checkpointer, "poke", lambda self: None)
     path = tmp_path / "r.db"
 
     async def main() -> None:
@@ -1186,14 +1180,14 @@ def test_where_no_syncer_process_works_the_wal_is_fsynced_on_a_thread(
     """A store is not refused for want of a process (a limit on processes), nor for a
     process that starts but ends before its first fsync: its fsync runs on a thread of
     the server instead, slower under load, and a warning says why."""
-    from leasekeeper.store import _sqlite
+    from leasekeeper.store import _sqlite_sync
 
     if how == "cannot start":
 
         def refused(*args: Any, **kwargs: Any) -> Any:
             raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
 
-        monkeypatch.setattr(_sqlite.subprocess, "Popen", refused)
+        monkeypatch.setattr(_sqlite_sync.subprocess, "Popen", refused)
     else:
         broken = tmp_path / "broken.py"
         broken.write_text("import sys\nsys.exit(3)\n")
@@ -1253,7 +1247,7 @@ def test_batches_beyond_what_the_pipe_holds_are_all_answered(
     batches than the pipe holds (64 KiB) are kept count of and sent as room comes, each
     answered once, none refused: also when the store closes meanwhile (committed
     batches must not be answered 503 for want of room in a pipe)."""
-    from leasekeeper.store import _sqlite
+    from leasekeeper.store import _sqlite_sync
 
     gate = GatedFsync(monkeypatch)
     answered: list[int] = []
@@ -1267,7 +1261,7 @@ def test_batches_beyond_what_the_pipe_holds_are_all_answered(
         def failed(error: Exception, kind: str) -> None:
             refused.append(f"{kind}: {error}")
 
-        syncer = await _sqlite._Syncer.start(
+        syncer = await _sqlite_sync.Syncer.start(
             loop, wal, files, answered.append, failed, process=False, first_fsync_within=10
         )
         gate.armed.set()
@@ -1295,7 +1289,7 @@ def test_answers_then_a_failure_in_one_read_or_a_line_in_two_are_each_told_once(
     """What the syncer writes may arrive in any pieces: batches answered and then its
     failure in one read, the failure's line split over two. The batches are answered,
     then the failure told once, with its errno and message."""
-    from leasekeeper.store import _sqlite
+    from leasekeeper.store import _sqlite_sync
 
     def stand_in(requests: int, replies: int, wal: int, files: Any) -> None:
         os.read(requests, 1)
@@ -1319,7 +1313,7 @@ def test_answers_then_a_failure_in_one_read_or_a_line_in_two_are_each_told_once(
             told.append((kind, error))
             ended.set_result(None)
 
-        syncer = await _sqlite._Syncer.start(
+        syncer = await _sqlite_sync.Syncer.start(
             loop,
             wal,
             [],
@@ -1472,7 +1466,7 @@ def test_no_thread_for_the_fsync_either_is_a_503_at_open(
 ) -> None:
     """A limit on processes usually limits threads too: with neither, the store does not
     open, with a 503 that says why (not a traceback), and leaves no thread behind."""
-    from leasekeeper.store import _sqlite
+    from leasekeeper.store import _sqlite_sync
 
     def no_process(*args: Any, **kwargs: Any) -> Any:
         raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
@@ -1484,7 +1478,7 @@ def test_no_thread_for_the_fsync_either_is_a_503_at_open(
             raise RuntimeError("can't start new thread")
         start(self)
 
-    monkeypatch.setattr(_sqlite.subprocess, "Popen", no_process)
+    monkeypatch.setattr(_sqlite_sync.subprocess, "Popen", no_process)
     monkeypatch.setattr(threading.Thread, "start", no_fsync_thread)
 
     async def main() -> None:

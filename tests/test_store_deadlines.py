@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from leasekeeper import ServiceUnavailable
-from leasekeeper.store._base import Deadlines
+from leasekeeper.store._batcher import Deadlines
 
 
 class ManualLoop:

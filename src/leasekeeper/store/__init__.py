@@ -54,11 +54,9 @@ def open_store(
 ) -> Store:
     """The store for ``url``, not yet opened (``await store.open()``).
 
-    ``clock`` replaces the store's time source (tests pass a ``FakeClock``);
-    ``timeout_seconds`` bounds how long a request waits for the store;
-    ``pool_size`` is the most connections a PostgreSQL store opens (``None``: its
-    default). SQLite and memory stores have no pool and ignore it.
-    """
+    ``clock`` replaces the store's time source (tests); ``timeout_seconds`` bounds how
+    long a request waits for the store; ``pool_size`` is the most connections a
+    PostgreSQL store opens (``None``: its default; the other stores have no pool)."""
     scheme, _, rest = url.partition("://")
     scheme = scheme.lower()
     if scheme == "sqlite":
@@ -75,12 +73,10 @@ def open_store(
 
 
 def _sqlite_path(url: str) -> str:
-    """The file a ``sqlite:`` URL names; ``StoreURLError`` for one that would open another.
-
+    """The file a ``sqlite:`` URL names; ``StoreURLError`` for one that would open another:
     ``sqlite://data/x.db`` names a host (``data``) that would be dropped, opening
-    ``./x.db``: a new, empty store whose fencing tokens start again at 1. A query or a
-    fragment would be ignored, and a NUL cannot be in a path.
-    """
+    ``./x.db``, a new store whose tokens start again at 1; a query or a fragment would
+    be ignored; a NUL cannot be in a path."""
     shape = "sqlite:///relative/path.db or sqlite:////absolute.db"
     parts = urlsplit(url)
     if parts.netloc:

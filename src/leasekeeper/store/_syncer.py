@@ -1,12 +1,11 @@
 """The SQLite store's fsync of its WAL, in a process of its own.
 
 The store's event loop COMMITs each batch at ``synchronous=NORMAL``, which hands the
-WAL's new pages to the operating system, and may answer the batch only once the WAL
-is fsynced. An fsync waits for the disk, so it cannot run on the loop. On a thread of
-the server it cost the loop about a seventh of its requests under load: such a thread
-takes the GIL back after each system call it makes (its wait for work, its checks of
-the files, its fsync), about ten times a batch, and every time the loop stalls until
-it is handed back. This process holds no GIL of the server's.
+WAL's new pages to the operating system, and answers the batch only once the WAL is
+fsynced. The fsync waits for the disk, so it cannot run on the loop, and a thread of
+the server would take the GIL back after each of its system calls (its wait for work,
+its checks of the files, its fsync), stalling the busy loop each time. This process
+holds no GIL of the server's.
 
 The protocol, over two pipes: the store writes one byte for every batch it has
 committed. The syncer reads what has arrived, checks that the store's files are still
@@ -17,14 +16,11 @@ many ``.`` bytes. When it cannot, it writes one line instead and exits:
 - ``M<what>``: the database or WAL file was deleted or replaced (``what`` says which);
 - ``F<errno> <message>``: the fsync failed.
 
-It exits at the end of its input: the store closed its end, or the server died. It
-ignores SIGINT, SIGTERM and SIGHUP, which a Ctrl-C or a service manager's stop sends
-to every process of the group: the server, still answering its last requests, must
-keep its fsync until it closes the store.
-
-The module imports only the standard library's ``os`` and ``signal`` (and ``sys``, run
-as a script): the store runs this file with ``python -I -S``, which starts in about 10 ms
-(``SqliteStore`` falls back to ``serve`` on a thread when no process can be started).
+It exits at the end of its input (the store closed it, or the server died), and
+ignores SIGINT, SIGTERM and SIGHUP, which a Ctrl-C or a service manager sends the whole
+process group: the server, answering its last requests, needs its fsync until it
+closes the store. It imports only ``os`` and ``signal`` (``sys`` run as a script), to
+start fast under ``python -I -S``.
 """
 
 from __future__ import annotations
