@@ -133,6 +133,8 @@ def test_the_make_targets_shown_exist() -> None:
         plans[target] = done.stdout
     assert "leasekeeper serve" in plans["serve"]
     assert "mkdocs build --strict" in plans["test"]
+    # mkdocs 1.6 drops warnings before it counts them under --quiet: the build would pass.
+    assert "--quiet" not in plans["test"]
     assert "pytest" in plans["test"]
 
 
