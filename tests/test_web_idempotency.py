@@ -1,4 +1,5 @@
-"""The middleware's pure decisions (leasekeeper.web._idempotency): no I/O, no clock."""
+"""The middleware's pure decisions (leasekeeper.web's _policy, _request, _stored and
+_problems): no I/O, no clock."""
 
 from __future__ import annotations
 
@@ -25,14 +26,13 @@ from leasekeeper import (
 )
 from leasekeeper._core.validation import redact
 from leasekeeper.web import IdempotentRequest, default_fingerprint
-from leasekeeper.web._idempotency import (
+from leasekeeper.web._policy import Policy
+from leasekeeper.web._problems import Reply, refusal
+from leasekeeper.web._request import read_key
+from leasekeeper.web._stored import (
     MAX_RESULT_BYTES,
-    Policy,
-    Reply,
     ResponseRecorder,
     UnreadableResult,
-    read_key,
-    refusal,
     replay,
     result_size,
     results_to_store,
