@@ -141,11 +141,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-growth", action="store_true", help="skip the 1M-record runs")
     parser.add_argument("--no-etcd", action="store_true", help="skip the etcd peer")
     parser.add_argument("--no-single", action="store_true", help="skip the 1-connection runs")
-    parser.add_argument(
-        "--no-middleware",
-        action="store_true",
-        help="skip the last stage, the Idempotency-Key middleware's added latency",
-    )
+    parser.add_argument("--no-middleware", action="store_true", help="skip the middleware stage")
     parser.add_argument(
         "--dry-run", action="store_true", help="check tools and stores, print the plan, exit"
     )
@@ -217,7 +213,9 @@ def _bench(
                 sections.append(Section("etcd", notes=[f"etcd is not installed ({APT})"]))
         finally:
             reference.stop()
-        overhead = None if args.no_middleware else middleware_stage(plan, workdir)
+        overhead = None
+        if not args.no_middleware:
+            overhead = middleware.stage(workdir / "middleware", plan.middleware_rounds)
     machine["loadavg_after"] = os.getloadavg()
     results = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
@@ -242,24 +240,6 @@ def _bench(
     except ImportError:
         print("plot: skipped, matplotlib is not installed (pip install -e '.[bench]')")
     return 0
-
-
-def middleware_stage(plan: Plan, workdir: Path) -> dict[str, Any]:
-    """The last stage: ``bench.middleware`` for ``plan.middleware_rounds`` rounds, as
-    ``{"rounds", "results", "notes"}``. A stage that fails (an app that does not start,
-    Flask missing) is a note, as etcd's is: the stores' results are kept."""
-    rounds = plan.middleware_rounds
-    print(f"\n== Idempotency-Key middleware: {rounds} rounds, one request at a time")
-    directory = workdir / "middleware"
-    directory.mkdir()
-    try:
-        figures = middleware.run(directory, rounds)
-    except (RuntimeError, httpx.HTTPError) as exc:
-        print(f"   skipped: {exc}")
-        return {"rounds": rounds, "results": {}, "notes": [f"the middleware stage failed: {exc}"]}
-    for row in middleware.report(figures["results"]).splitlines():
-        print("   " + row)
-    return {**figures, "notes": []}
 
 
 @contextlib.contextmanager

@@ -142,9 +142,8 @@ def test_a_middleware_stage_that_fails_is_a_note_not_the_end_of_the_run(
         raise RuntimeError("wsgi exited with 1 before it was ready")
 
     monkeypatch.setattr(middleware, "run", failing)
-    plan = _driver.Plan.make(quick=True, records=None)
-    stage = _driver.middleware_stage(plan, tmp_path)
-    assert stage["results"] == {} and stage["rounds"] == plan.middleware_rounds
+    stage = middleware.stage(tmp_path / "middleware", 30)
+    assert stage["results"] == {} and stage["rounds"] == 30
     (note,) = stage["notes"]
     assert "wsgi exited with 1 before it was ready" in note
     lines = middleware_lines(stage)
