@@ -10,7 +10,9 @@ For each store (one server process each, a fresh database each)::
                      windows until the cleanup has deleted every record
 
 then the memory store (the empty-store runs only: the ceiling the durable stores are
-measured against, ``MemoryTarget``), then etcd 3.4 (acquire at 64 and 1 connections).
+measured against, ``MemoryTarget``), then etcd 3.4 (acquire at 64 and 1 connections),
+and last what the Idempotency-Key middleware adds to a request at one connection
+(``bench.middleware``, on a SQLite leasekeeper of its own; ``--no-middleware`` skips it).
 The ratio of a run is its rate over the reference's rate measured around it: the mean
 of the reference runs just before and just after it (``reference_ops_per_s`` in the
 run's ``extra``). A VM's speed can drift within minutes, so every workload gets its
@@ -43,7 +45,7 @@ from typing import Any
 
 import httpx
 
-from bench import _plot, _report
+from bench import _plot, _report, middleware
 from bench._procs import Process, start_etcd, start_leasekeeper, start_reference
 from bench._stores import (
     MemoryTarget,
@@ -79,11 +81,13 @@ class Plan:
     connections: int = 64
     keys: int = 10_000  # key space of the acquire -> release cycles
     hot_keys: int = 10  # contention
+    #: Rounds of the middleware stage, each a request of every kind (``bench.middleware``).
+    middleware_rounds: int = 500
 
     @classmethod
     def make(cls, quick: bool, records: int | None) -> Plan:
         if quick:
-            return cls(2, 1, 1, 1, records or 100_000, 1_000, 2, 15, rounds=1)
+            return cls(2, 1, 1, 1, records or 100_000, 1_000, 2, 15, rounds=1, middleware_rounds=30)
         return cls(8, 4, 4, 2, records or 1_000_000, 10_000, 4, 60)
 
 
@@ -110,7 +114,7 @@ class Section:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
-        description="leasekeeper's benchmark (see README, Performance). Needs wrk; etcd-server "
+        description="leasekeeper's benchmark (see docs/performance.md). Needs wrk; etcd-server "
         f"for the peer. On Debian: {APT}",
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run of about a minute")
@@ -137,6 +141,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-growth", action="store_true", help="skip the 1M-record runs")
     parser.add_argument("--no-etcd", action="store_true", help="skip the etcd peer")
     parser.add_argument("--no-single", action="store_true", help="skip the 1-connection runs")
+    parser.add_argument("--no-middleware", action="store_true", help="skip the middleware stage")
     parser.add_argument(
         "--dry-run", action="store_true", help="check tools and stores, print the plan, exit"
     )
@@ -208,6 +213,9 @@ def _bench(
                 sections.append(Section("etcd", notes=[f"etcd is not installed ({APT})"]))
         finally:
             reference.stop()
+        overhead = None
+        if not args.no_middleware:
+            overhead = middleware.stage(workdir / "middleware", plan.middleware_rounds)
     machine["loadavg_after"] = os.getloadavg()
     results = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
@@ -219,6 +227,8 @@ def _bench(
             for s in sections
         ],
     }
+    if overhead is not None:
+        results["middleware"] = overhead
     results["targets"] = _report.targets(results)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

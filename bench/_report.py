@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from bench import middleware
 from bench._wrk import Run
 
 Runs = list[dict[str, Any]]
@@ -330,12 +331,31 @@ def render(results: dict[str, Any]) -> str:
                 f"{extra.get('expired_left', 0):>12,} {run['ops_per_s']:>9,.0f}/s "
                 f"p99 {run['p99_ms']:.2f} ms  RSS {run['rss_mb']:.0f} MB"
             )
+    lines += middleware_lines(results.get("middleware"))
     lines.append("")
     lines.append("targets:")
     for t in results.get("targets", []):
         mark = "met    " if t["met"] else "NOT MET"
         lines.append(f"  {mark} {t['target']}: {t['measured']} (goal {t['goal']})")
     return "\n".join(lines)
+
+
+def middleware_lines(stage: dict[str, Any] | None) -> list[str]:
+    """The middleware stage's table (``bench.middleware.report``) and its notes; nothing
+    when the run skipped it (``--no-middleware``, or results from before the stage)."""
+    if stage is None:
+        return []
+    lines = [
+        "",
+        f"Idempotency-Key middleware, {stage['rounds']} rounds: one request at a time over one "
+        "keep-alive connection per app",
+        "  unguarded = a path it does not guard; first = a new key (acquire + complete); "
+        "replay = a completed key (acquire); lease = acquire + complete from LeaseClient",
+    ]
+    if stage["results"]:
+        lines += ["  " + row for row in middleware.report(stage["results"]).splitlines()]
+    lines += [f"  note: {note}" for note in stage.get("notes", [])]
+    return lines
 
 
 def _load(values: Any) -> str:

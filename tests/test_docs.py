@@ -52,6 +52,7 @@ def test_every_page_with_examples_is_run() -> None:
         "docs/operations.md",
         "docs/deployment.md",
         "docs/recipes/scheduled-jobs.md",
+        "docs/middleware.md",
     } <= names
 
 

@@ -1,4 +1,5 @@
-"""The middleware's pure decisions (leasekeeper.web._idempotency): no I/O, no clock."""
+"""The middleware's pure decisions (leasekeeper.web's _policy, _request, _stored and
+_problems): no I/O, no clock."""
 
 from __future__ import annotations
 
@@ -25,14 +26,13 @@ from leasekeeper import (
 )
 from leasekeeper._core.validation import redact
 from leasekeeper.web import IdempotentRequest, default_fingerprint
-from leasekeeper.web._idempotency import (
+from leasekeeper.web._policy import Policy
+from leasekeeper.web._problems import Reply, refusal
+from leasekeeper.web._request import read_key
+from leasekeeper.web._stored import (
     MAX_RESULT_BYTES,
-    Policy,
-    Reply,
     ResponseRecorder,
     UnreadableResult,
-    read_key,
-    refusal,
     replay,
     result_size,
     results_to_store,
@@ -424,3 +424,51 @@ def test_the_web_package_exports_what_its_all_says() -> None:
     for name in leasekeeper.web.__all__:
         assert getattr(leasekeeper.web, name).__module__.startswith("leasekeeper.web._")
     assert leasekeeper.WSGIIdempotencyMiddleware is leasekeeper.web.WSGIIdempotencyMiddleware
+
+
+def test_import_leasekeeper_loads_the_middlewares_on_first_use() -> None:
+    """A worker that only takes leases does not import the web package; the two names
+    still come from the top, as the same classes, and an unknown name is still an error."""
+    code = (
+        "import sys\n"
+        "import leasekeeper\n"
+        "assert 'leasekeeper.web' not in sys.modules\n"
+        "assert {'IdempotencyMiddleware', 'WSGIIdempotencyMiddleware'} <= set(dir(leasekeeper))\n"
+        "from leasekeeper import IdempotencyMiddleware\n"
+        "from leasekeeper import web\n"
+        "assert IdempotencyMiddleware is web.IdempotencyMiddleware\n"
+        "assert leasekeeper.WSGIIdempotencyMiddleware is web.WSGIIdempotencyMiddleware\n"
+        "try:\n"
+        "    from leasekeeper import NoSuchName\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise AssertionError('an unknown name was imported')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.slow
+def test_type_checkers_see_the_middlewares_and_no_module_getattr(tmp_path: Path) -> None:
+    """mypy in a user's project types the lazily loaded names as the classes, and still
+    refuses a name the package does not have (a module ``__getattr__`` it could see would
+    make every unknown name ``Any``)."""
+    (tmp_path / "app.py").write_text(
+        "import leasekeeper\n"
+        "from leasekeeper import IdempotencyMiddleware\n"
+        "reveal_type(leasekeeper.WSGIIdempotencyMiddleware)\n"
+        "IdempotencyMiddleware(None, 'http://127.0.0.1:8787', namespace=None)\n"
+        "leasekeeper.NoSuchName\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "app.py"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,  # not the project: its configuration is not the user's
+        check=False,
+    )
+    out = done.stdout
+    assert 'app.py:3: note: Revealed type is "def (' in out, out
+    assert "-> leasekeeper.web._wsgi.WSGIIdempotencyMiddleware" in out, out
+    assert 'app.py:4: error: Argument 1 to "IdempotencyMiddleware" has incompatible type' in out
+    assert 'app.py:5: error: Module has no attribute "NoSuchName"' in out, out

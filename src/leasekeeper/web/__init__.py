@@ -8,7 +8,7 @@ need only the client's dependencies. See docs/middleware.md.
 """
 
 from leasekeeper.web._asgi import IdempotencyMiddleware
-from leasekeeper.web._idempotency import IdempotentRequest, RequestLease, default_fingerprint
+from leasekeeper.web._request import IdempotentRequest, RequestLease, default_fingerprint
 from leasekeeper.web._wsgi import WSGIIdempotencyMiddleware
 
 __all__ = [

@@ -1,7 +1,9 @@
 """``IdempotencyMiddleware``: Idempotency-Key for any ASGI app, on ``AsyncLeaseClient``.
 
-Its decisions are ``_idempotency``'s; this module reads the request, holds the lease
-while the app runs, and writes the answers. A guarded request, in order::
+Its decisions are made without I/O in ``_policy`` (the settings: which requests are
+guarded, the key and fingerprint), ``_request`` (the header), ``_stored`` (a response
+stored and replayed) and ``_problems`` (the refusals); this module reads the request,
+holds the lease while the app runs, and writes the answers. A guarded request, in order::
 
     key missing ─────────────> 400 if required, else the app runs unguarded
     body read whole ─────────> fingerprint; lease taken (renewed while the app runs)
@@ -25,29 +27,26 @@ from typing import Any
 
 from leasekeeper import LeaseError, LeaseLost, PayloadTooLarge
 from leasekeeper.client import AsyncHeldLease, AsyncLeaseClient
-from leasekeeper.web._idempotency import (
-    COMPLETE_RETRY_DELAYS,
-    DEFAULT_MAX_REQUEST_BYTES,
-    DEFAULT_METHODS,
-    DEFAULT_STORED_HEADERS,
+from leasekeeper.web._policy import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_METHODS, Policy
+from leasekeeper.web._problems import Reply, body_too_large, refusal, unreadable
+from leasekeeper.web._request import (
     HEADER,
-    LOST_BEFORE_STORED,
-    NOT_STORED,
-    UNSURE_COMPLETE,
     Fingerprint,
     IdempotentRequest,
     KeyScope,
-    Policy,
-    Reply,
     RequestLease,
+    read_key,
+)
+from leasekeeper.web._stored import (
+    COMPLETE_RETRY_DELAYS,
+    DEFAULT_STORED_HEADERS,
+    LOST_BEFORE_STORED,
+    NOT_STORED,
+    UNSURE_COMPLETE,
     ResponseRecorder,
     UnreadableResult,
-    body_too_large,
-    read_key,
-    refusal,
     replay,
     results_to_store,
-    unreadable,
 )
 
 __all__ = ["IdempotencyMiddleware"]

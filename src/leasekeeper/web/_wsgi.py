@@ -1,9 +1,9 @@
 """``WSGIIdempotencyMiddleware``: Idempotency-Key for any WSGI app, on ``LeaseClient``.
 
 The same behaviour as ``IdempotencyMiddleware`` (see ``_asgi``), from the same
-decisions (``_idempotency``); here the lease is renewed by a thread while the app
-runs in the request's thread, and the app's body iterable is read in the middleware
-up to the storable size before anything is sent.
+decisions (``_policy``, ``_request``, ``_stored``, ``_problems``); here the lease is
+renewed by a thread while the app runs in the request's thread, and the app's body
+iterable is read in the middleware up to the storable size before anything is sent.
 """
 
 from __future__ import annotations
@@ -19,29 +19,25 @@ from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from leasekeeper import LeaseError, LeaseLost, PayloadTooLarge
 from leasekeeper.client import HeldLease, LeaseClient
-from leasekeeper.web._idempotency import (
+from leasekeeper.web._policy import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_METHODS, Policy
+from leasekeeper.web._problems import Reply, body_too_large, refusal, status_line, unreadable
+from leasekeeper.web._request import (
+    Fingerprint,
+    IdempotentRequest,
+    KeyScope,
+    RequestLease,
+    read_key,
+)
+from leasekeeper.web._stored import (
     COMPLETE_RETRY_DELAYS,
-    DEFAULT_MAX_REQUEST_BYTES,
-    DEFAULT_METHODS,
     DEFAULT_STORED_HEADERS,
     LOST_BEFORE_STORED,
     NOT_STORED,
     UNSURE_COMPLETE,
-    Fingerprint,
-    IdempotentRequest,
-    KeyScope,
-    Policy,
-    Reply,
-    RequestLease,
     ResponseRecorder,
     UnreadableResult,
-    body_too_large,
-    read_key,
-    refusal,
     replay,
     results_to_store,
-    status_line,
-    unreadable,
 )
 
 if TYPE_CHECKING:
