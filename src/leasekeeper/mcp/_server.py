@@ -800,11 +800,13 @@ async def serve_stdio(
 def _drop_unsendable_answers() -> None:
     """Collect now the SDK's stdout writer, whose peer has gone, without a second report.
 
-    The writer (a buffered file on a duplicate of fd 1) still holds the answer whose
-    flush met the closed pipe, and is garbage in a reference cycle (the BrokenPipeError's
-    traceback). Its finalizer flushes again and fails again; Python 3.13 reports that
-    through ``sys.unraisablehook`` (3.11 and 3.12 only in development mode), which
-    prints "Exception ignored in: <_io.BufferedWriter ...>" and the error to stderr:
+    The writer (a buffered file on a duplicate of fd 1, under a text wrapper) still
+    holds the answer whose flush met the closed pipe, and is garbage in a reference
+    cycle (the BrokenPipeError's traceback). The finalizer that runs first, the
+    buffer's or the wrapper's (the collector's order), flushes again and fails again;
+    Python 3.13 reports that through ``sys.unraisablehook`` (3.11 and 3.12 only in
+    development mode), which prints "Exception ignored in: <_io.BufferedWriter ...>"
+    (or ``<_io.TextIOWrapper ...>``) and the error to stderr:
     lines that are not the log's JSON, about what the WARNING has said. That one error
     is dropped here; any other is reported as before.
     """
@@ -813,7 +815,7 @@ def _drop_unsendable_answers() -> None:
     def dropping(unraisable: sys.UnraisableHookArgs) -> None:
         if not (
             issubclass(unraisable.exc_type, BrokenPipeError)
-            and isinstance(unraisable.object, io.BufferedWriter)
+            and isinstance(unraisable.object, io.BufferedWriter | io.TextIOWrapper)
         ):
             report(unraisable)
 
