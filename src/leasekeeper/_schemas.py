@@ -1,8 +1,8 @@
 """The request bodies: each field's type and bounds declared once, and the models.
 
 The OpenAPI request schemas (``model_json_schema()``), the MCP tools' input schemas
-(``tool_input_schema``) and the error texts (``FIELD_RULES``) are derived from these
-declarations.
+(``tool_input_schema``), the docs' field tables (``field_table``) and the error
+texts (``FIELD_RULES``) are derived from these declarations.
 
 Pydantic validates in strict mode (``true``, ``"60"`` and ``1.5`` are not integers)
 and refuses unknown fields, so a typo such as ``"fingerprnt"`` cannot silently drop
@@ -17,7 +17,7 @@ the JSON Schema only (``json_schema_extra``).
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
@@ -40,11 +40,13 @@ __all__ = [
     "MAX_TTL_SECONDS",
     "AcquireBody",
     "CompleteBody",
+    "FieldRow",
     "NamespaceBody",
     "NamespaceStr",
     "OwnerTokenStr",
     "ReleaseBody",
     "RenewBody",
+    "field_table",
     "parse_body",
     "tool_input_schema",
 ]
@@ -253,7 +255,7 @@ def _unknown_fields(count: int, model: type[_Body]) -> str:
     return f"{which} (names are not repeated); this request takes {takes}"
 
 
-# -- derived: flat schemas ----------------------------------------------------------------
+# -- derived: flat schemas and field tables --------------------------------------------------
 
 
 class _FlatSchema(GenerateJsonSchema):
@@ -284,3 +286,31 @@ def tool_input_schema(model: type[BaseModel], descriptions: dict[str, str]) -> d
         "required": schema.get("required", []),
         "additionalProperties": schema["additionalProperties"],
     }
+
+
+class FieldRow(NamedTuple):
+    """One row of a request's field table, for the docs."""
+
+    field: str
+    type: str  # the JSON type, or "any JSON value"
+    presence: str  # "required", "optional" or "optional, default 60"
+    rule: str
+
+
+def field_table(model: type[BaseModel]) -> list[FieldRow]:
+    """The fields of ``model`` (a request of ``LeaseService.handle``'s ``OPERATIONS``),
+    in order, as the docs list them."""
+    schema = model.model_json_schema(schema_generator=_FlatSchema)
+    return [
+        FieldRow(
+            name, field.get("type", "any JSON value"), _presence(model, name), field["description"]
+        )
+        for name, field in schema["properties"].items()
+    ]
+
+
+def _presence(model: type[BaseModel], name: str) -> str:
+    info = model.model_fields[name]
+    if info.is_required():
+        return "required"
+    return "optional" if info.default is None else f"optional, default {info.default}"
