@@ -37,7 +37,6 @@ from leasekeeper._errors import InvalidRequest
 
 __all__ = [
     "DEFAULT_TTL_SECONDS",
-    "MAX_TTL_SECONDS",
     "AcquireBody",
     "CompleteBody",
     "FieldRow",
