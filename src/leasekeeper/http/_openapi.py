@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter
@@ -30,8 +32,12 @@ _TYPES: dict[str, Any] = {
 }
 
 
+@functools.cache
 def _schemas() -> tuple[dict[str, Any], dict[str, Any]]:
-    """The components, and the acquire's 409 body (held or conflict, written in place)."""
+    """The components, and the acquire's 409 body (held or conflict, written in place).
+
+    Derived once per process (pydantic builds a core schema for each type): every app
+    a test suite makes would pay for it again. Callers take a copy."""
     mode: JsonSchemaMode = "validation"
     inputs = [(name, mode, TypeAdapter(kind)) for name, kind in _TYPES.items()]
     schemas, defs = TypeAdapter.json_schemas(inputs, ref_template=_REF)
@@ -103,7 +109,7 @@ def _operation(
 
 def openapi_document(base: str) -> dict[str, Any]:
     """The whole API description, with every route and body."""
-    schemas, held_or_conflict = _schemas()
+    schemas, held_or_conflict = copy.deepcopy(_schemas())
     held = _json(
         held_or_conflict,
         "held (another owner; Retry-After), or conflict",
