@@ -1,49 +1,112 @@
-"""Request bodies, validated strictly; shared by the HTTP and MCP adapters.
+"""The request bodies: each field's type and bounds declared once, and the models.
 
-Pydantic runs in strict mode (``true`` is not an integer, ``"60"`` is not an
-integer, ``1.5`` is not an integer) and unknown fields are refused, so a typo such
-as ``"fingerprnt"`` cannot silently drop the idempotency binding. JSON ``null``
-for an optional field means the same as leaving it out.
+The OpenAPI request schemas (``model_json_schema()``), the MCP tools' input schemas
+(``tool_input_schema``), the docs' field tables (``field_table``) and the error
+texts (``FIELD_RULES``) are derived from these declarations.
 
-Every failure becomes ``InvalidRequest`` with a message naming the field and its
-rule; the value itself is never repeated.
+Pydantic validates in strict mode (``true``, ``"60"`` and ``1.5`` are not integers)
+and refuses unknown fields, so a typo such as ``"fingerprnt"`` cannot silently drop
+the idempotency binding. JSON ``null`` for an optional field means the same as
+leaving it out. Every failure becomes ``InvalidRequest`` with a message naming the
+field and its rule; the value itself is never repeated. The namespace and owner
+token shapes and the key rules are checked by ``_KeyBody._check_key``, after
+pydantic's checks, for the service's own messages: for those the declarations give
+the JSON Schema only (``json_schema_extra``).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
+from pydantic_core import core_schema
 
 from leasekeeper._core import secrets, validation
-from leasekeeper._core.validation import DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
+from leasekeeper._core.secrets import ENCODED_CHARS, NAMESPACE_PREFIX, OWNER_PREFIX
+from leasekeeper._core.validation import (
+    DEFAULT_TTL_SECONDS,
+    MAX_FINGERPRINT_CHARS,
+    MAX_KEY_CHARS,
+    MAX_TTL_SECONDS,
+    MIN_BARE_KEY_BITS,
+    MIN_BARE_KEY_CHARS,
+)
 from leasekeeper._errors import InvalidRequest
 
 __all__ = [
     "DEFAULT_TTL_SECONDS",
-    "MAX_TTL_SECONDS",
     "AcquireBody",
     "CompleteBody",
+    "FieldRow",
     "NamespaceBody",
+    "NamespaceStr",
+    "OwnerTokenStr",
     "ReleaseBody",
     "RenewBody",
+    "field_table",
     "parse_body",
+    "tool_input_schema",
 ]
 
 
-# What each field must be, for error messages (never the value).
+def _shape(length: int, pattern: str) -> Any:
+    """A secret's shape as JSON Schema, which ``_KeyBody._check_key`` checks."""
+    return Field(json_schema_extra={"minLength": length, "maxLength": length, "pattern": pattern})
+
+
+NamespaceStr = Annotated[str, _shape(secrets.NAMESPACE_LENGTH, secrets.NAMESPACE_PATTERN)]
+OwnerTokenStr = Annotated[str, _shape(secrets.OWNER_TOKEN_LENGTH, secrets.OWNER_TOKEN_PATTERN)]
+#: What both key rules allow; ``_KEY_RULE`` says which one applies.
+_KeyStr = Annotated[str, Field(json_schema_extra={"minLength": 1, "maxLength": MAX_KEY_CHARS})]
+_Ttl = Annotated[
+    Annotated[int, Field(ge=1, le=MAX_TTL_SECONDS)] | None,
+    Field(
+        description=f"Lease length in seconds, 1 to {MAX_TTL_SECONDS}, default "
+        f"{DEFAULT_TTL_SECONDS} (null too means {DEFAULT_TTL_SECONDS}): a JSON integer "
+        "written without a fraction or exponent (60, not 60.0)"
+    ),
+]
+
+
+def _key_rule(min_chars: int, forbidden: str) -> dict[str, Any]:
+    """The key's schema under one of its two rules (``_KEY_RULE``)."""
+    limits = {"minLength": min_chars, "maxLength": MAX_KEY_CHARS, "not": {"pattern": forbidden}}
+    return {"properties": {"key": {"type": "string", **limits}}}
+
+
+# As if/then/else on one flat object, not an anyOf of two: client generators turn an
+# anyOf into two partial models and lose the other fields. Characters are forbidden as
+# "contains none of" (``not`` a search): an anchored ``^[...]*$`` would let a trailing
+# newline through in Python's re. The entropy floor has no JSON Schema form: "else" says it.
+_KEY_RULE: dict[str, Any] = {
+    "if": {"required": ["namespace"], "properties": {"namespace": {"type": "string"}}},
+    "then": {
+        "description": "With a namespace: a readable key",
+        **_key_rule(1, f"[{validation.CONTROL_CHARACTERS}]"),
+    },
+    "else": {
+        "description": "Without a namespace: a random key (also: at least "
+        f"{MIN_BARE_KEY_BITS:.0f} bits of entropy)",
+        **_key_rule(MIN_BARE_KEY_CHARS, f"[^{validation.PRINTABLE_ASCII}]"),
+    },
+}
+
+#: What each field must be, for error messages (never the value).
 FIELD_RULES: dict[str, str] = {
-    "namespace": "must be ns_ followed by 43 base64url characters, as returned by "
-    "POST /services/v1/lease/namespace",
+    "namespace": f"must be {NAMESPACE_PREFIX} followed by {ENCODED_CHARS} base64url "
+    "characters, as returned by POST /services/v1/lease/namespace",
     "key": "must be a string",
     "ttl_seconds": f"must be a JSON integer from 1 to {MAX_TTL_SECONDS}",
-    "fingerprint": "must be a string of 1 to 1024 characters",
-    "owner_token": "must be own_ followed by 43 base64url characters, as returned by acquire",
+    "fingerprint": f"must be a string of 1 to {MAX_FINGERPRINT_CHARS} characters",
+    "owner_token": f"must be {OWNER_PREFIX} followed by {ENCODED_CHARS} base64url "
+    "characters, as returned by acquire",
     "result": "is required and may be any JSON value",
 }
 
-TTL = Annotated[int, Field(ge=1, le=MAX_TTL_SECONDS, description="Lease length in seconds")]
+
+# -- the models ------------------------------------------------------------------------------
 
 
 class _Body(BaseModel):
@@ -59,15 +122,19 @@ class NamespaceBody(_Body):
 
 
 class _KeyBody(_Body):
-    namespace: str | None = Field(
+    model_config = ConfigDict(json_schema_extra=_KEY_RULE)
+
+    namespace: NamespaceStr | None = Field(
         default=None,
         repr=False,
-        description="A namespace from POST /lease/namespace. A bearer secret: keep it private.",
+        description=f"{NAMESPACE_PREFIX} and {ENCODED_CHARS} base64url characters, from "
+        "POST /lease/namespace. A bearer secret: keep it private.",
     )
-    key: str = Field(
+    key: _KeyStr = Field(
         repr=False,
-        description="With a namespace: 1-200 characters, no control characters. Without: "
-        "32-200 printable ASCII characters with at least 100 bits of entropy (a uuid4).",
+        description=f"With a namespace: 1-{MAX_KEY_CHARS} characters, no control characters. "
+        f"Without: {MIN_BARE_KEY_CHARS}-{MAX_KEY_CHARS} printable ASCII characters with at "
+        f"least {MIN_BARE_KEY_BITS:.0f} bits of entropy (a uuid4).",
     )
 
     @model_validator(mode="after")
@@ -103,35 +170,42 @@ class _KeyBody(_Body):
 class AcquireBody(_KeyBody):
     """Acquire a lease on ``key``."""
 
-    ttl_seconds: TTL | None = Field(default=None, description="Default 60.")
-    fingerprint: Annotated[str, Field(min_length=1, max_length=1024)] | None = Field(
-        default=None,
-        repr=False,
-        description="Binds the key to its input for the lifecycle; absent is a binding too.",
+    ttl_seconds: _Ttl = DEFAULT_TTL_SECONDS
+    fingerprint: Annotated[str, Field(min_length=1, max_length=MAX_FINGERPRINT_CHARS)] | None = (
+        Field(
+            default=None,
+            repr=False,
+            description=f"1 to {MAX_FINGERPRINT_CHARS} characters. Binds the key to its input "
+            "for the lifecycle; absent is a binding too.",
+        )
     )
 
 
-class RenewBody(_KeyBody):
+class _OwnerBody(_KeyBody):
+    owner_token: OwnerTokenStr = Field(
+        repr=False,
+        description=f"{OWNER_PREFIX} and {ENCODED_CHARS} base64url characters, as returned "
+        "by acquire.",
+    )
+
+
+class RenewBody(_OwnerBody):
     """Move the lease expiry of the live owner."""
 
-    owner_token: str = Field(repr=False, description="The owner token returned by acquire.")
-    ttl_seconds: TTL | None = Field(default=None, description="Default 60.")
+    ttl_seconds: _Ttl = DEFAULT_TTL_SECONDS
 
 
-class ReleaseBody(_KeyBody):
+class ReleaseBody(_OwnerBody):
     """End the live owner's lease now."""
 
-    owner_token: str = Field(repr=False, description="The owner token returned by acquire.")
 
-
-class CompleteBody(_KeyBody):
+class CompleteBody(_OwnerBody):
     """Store the result and end ownership for the lifecycle."""
 
-    owner_token: str = Field(repr=False, description="The owner token returned by acquire.")
     result: Any = Field(
         repr=False,
-        description="Any JSON value, at most 32,768 bytes compact; fields named like "
-        "secrets are stored as [redacted].",
+        description=f"Any JSON value, at most {validation.MAX_RESULT_BYTES:,} bytes compact; "
+        "fields named like secrets are stored as [redacted].",
     )
 
 
@@ -178,3 +252,64 @@ def _unknown_fields(count: int, model: type[_Body]) -> str:
     takes = ", ".join(model.model_fields) or "no fields"
     which = "Unknown field" if count == 1 else f"{count} unknown fields"
     return f"{which} (names are not repeated); this request takes {takes}"
+
+
+# -- derived: flat schemas and field tables --------------------------------------------------
+
+
+class _FlatSchema(GenerateJsonSchema):
+    """Each field's own type and bounds, without the ``null`` an optional field also
+    takes, its default or a title: the plain form that MCP clients hand to models."""
+
+    def nullable_schema(self, schema: core_schema.NullableSchema) -> JsonSchemaValue:
+        return self.generate_inner(schema["schema"])
+
+    def default_schema(self, schema: core_schema.WithDefaultSchema) -> JsonSchemaValue:
+        return self.generate_inner(schema["schema"])
+
+    def field_title_should_be_set(self, schema: Any) -> bool:
+        return False
+
+
+def tool_input_schema(model: type[BaseModel], descriptions: dict[str, str]) -> dict[str, Any]:
+    """The model's fields as one flat JSON Schema object, each field described by
+    ``descriptions`` (which must name every field). Cross-field rules (``_KEY_RULE``)
+    are left out: several MCP clients refuse ``if``, ``not`` and ``anyOf``."""
+    schema = model.model_json_schema(schema_generator=_FlatSchema)
+    return {
+        "type": "object",
+        "properties": {
+            name: {**field, "description": descriptions[name]}
+            for name, field in schema["properties"].items()
+        },
+        "required": schema.get("required", []),
+        "additionalProperties": schema["additionalProperties"],
+    }
+
+
+class FieldRow(NamedTuple):
+    """One row of a request's field table, for the docs."""
+
+    field: str
+    type: str  # the JSON type, or "any JSON value"
+    presence: str  # "required", "optional" or "optional, default 60"
+    rule: str
+
+
+def field_table(model: type[BaseModel]) -> list[FieldRow]:
+    """The fields of ``model`` (a request of ``LeaseService.handle``'s ``OPERATIONS``),
+    in order, as the docs list them."""
+    schema = model.model_json_schema(schema_generator=_FlatSchema)
+    return [
+        FieldRow(
+            name, field.get("type", "any JSON value"), _presence(model, name), field["description"]
+        )
+        for name, field in schema["properties"].items()
+    ]
+
+
+def _presence(model: type[BaseModel], name: str) -> str:
+    info = model.model_fields[name]
+    if info.is_required():
+        return "required"
+    return "optional" if info.default is None else f"optional, default {info.default}"

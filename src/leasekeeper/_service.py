@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import msgspec
 import orjson
 
+from leasekeeper import _replies as replies
 from leasekeeper._core import secrets, times
 from leasekeeper._core.model import (
     Acquire,
@@ -66,7 +67,7 @@ class Reply(msgspec.Struct, frozen=True):
 
     A frozen Struct, as the core's types are (``leasekeeper._core.model`` says why)."""
 
-    body: dict[str, Any]
+    body: replies.ReplyBody
     created: bool = False
     #: The stored result's JSON text when the body carries one (embedded as a Fragment).
     result_text: str | None = None
@@ -351,7 +352,7 @@ async def clean_up_every(
             ran(deleted, time.perf_counter() - started)
 
 
-def _lease_times(record: LeaseRecord, now_ms: int) -> dict[str, Any]:
+def _lease_times(record: LeaseRecord, now_ms: int) -> replies.LeaseTimes:
     return {
         "ttl_seconds": times.ttl_seconds(record.lease_expires_ms, now_ms),
         "fencing_token": record.fencing_token,
@@ -365,7 +366,7 @@ def _lease_times(record: LeaseRecord, now_ms: int) -> dict[str, Any]:
 def _completed_reply(record: LeaseRecord) -> Reply:
     if record.completed_ms is None or record.result is None:  # pragma: no cover - by the rules
         raise InternalError()
-    body = {
+    body: replies.Completed = {
         "ok": True,
         "status": "completed",
         "completed_at": times.iso(record.completed_ms),

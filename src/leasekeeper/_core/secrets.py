@@ -21,9 +21,12 @@ import hmac
 import re
 
 __all__ = [
+    "ENCODED_CHARS",
+    "NAMESPACE_LENGTH",
     "NAMESPACE_PATTERN",
     "NAMESPACE_PREFIX",
     "OWNER_PREFIX",
+    "OWNER_TOKEN_LENGTH",
     "OWNER_TOKEN_PATTERN",
     "digests_equal",
     "fingerprint_digest",
@@ -38,15 +41,19 @@ __all__ = [
 NAMESPACE_PREFIX = "ns_"
 OWNER_PREFIX = "own_"
 SECRET_BYTES = 32
+#: The unpadded base64url characters of a secret's 32 bytes.
+ENCODED_CHARS = 43
+NAMESPACE_LENGTH = len(NAMESPACE_PREFIX) + ENCODED_CHARS
+OWNER_TOKEN_LENGTH = len(OWNER_PREFIX) + ENCODED_CHARS
 
 # 43 characters of unpadded base64url carry 258 bits; the last character may only
 # use the top 4 of its 6 bits, so a canonical encoding of 32 bytes ends in one of these.
-_B64_43 = r"[A-Za-z0-9_-]{42}[AEIMQUYcgkosw048]"
-_NAMESPACE_RE = re.compile(rf"ns_{_B64_43}\Z")
-_OWNER_RE = re.compile(rf"own_{_B64_43}\Z")
-#: The same shapes as JSON Schema patterns (for the OpenAPI document).
-NAMESPACE_PATTERN = rf"^ns_{_B64_43}$"
-OWNER_TOKEN_PATTERN = rf"^own_{_B64_43}$"
+_B64_43 = rf"[A-Za-z0-9_-]{{{ENCODED_CHARS - 1}}}[AEIMQUYcgkosw048]"
+_NAMESPACE_RE = re.compile(rf"{NAMESPACE_PREFIX}{_B64_43}\Z")
+_OWNER_RE = re.compile(rf"{OWNER_PREFIX}{_B64_43}\Z")
+#: The same shapes as JSON Schema patterns (for the OpenAPI document and the MCP tools).
+NAMESPACE_PATTERN = rf"^{NAMESPACE_PREFIX}{_B64_43}$"
+OWNER_TOKEN_PATTERN = rf"^{OWNER_PREFIX}{_B64_43}$"
 
 _TAG = b"leasekeeper/v1/"
 _NS_KEY_LABEL = _TAG + b"namespace-key-id"
@@ -75,10 +82,6 @@ def format_owner_token(random32: bytes) -> str:
     return OWNER_PREFIX + _b64(random32)
 
 
-#: A namespace's length: the prefix and 43 base64url characters.
-_NAMESPACE_LENGTH = len(NAMESPACE_PREFIX) + 43
-
-
 def parse_namespace(namespace: str) -> bytes | None:
     """The namespace's 32 secret bytes, or None when it is not a well-formed namespace.
 
@@ -86,7 +89,7 @@ def parse_namespace(namespace: str) -> bytes | None:
     1,024 most recent are kept, as ``_namespace_macs`` keeps their HMAC states (the
     pattern and base64's Python layers cost about 5 % of an acquire). Only text of
     a namespace's length is kept: a client's 60 KB "namespace" is refused unkept."""
-    if len(namespace) != _NAMESPACE_LENGTH:
+    if len(namespace) != NAMESPACE_LENGTH:
         return None
     return _parse_namespace(namespace)
 

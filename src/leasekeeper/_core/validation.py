@@ -18,15 +18,21 @@ import orjson
 from leasekeeper._errors import InvalidRequest, PayloadTooLarge
 
 __all__ = [
+    "CONTROL_CHARACTERS",
     "DEFAULT_TTL_SECONDS",
     "MAX_DEPTH",
+    "MAX_FINGERPRINT_CHARS",
+    "MAX_KEY_CHARS",
     "MAX_RESULT_BYTES",
     "MAX_TTL_SECONDS",
+    "MIN_BARE_KEY_BITS",
+    "MIN_BARE_KEY_CHARS",
     "NOT_AN_OBJECT",
+    "PRINTABLE_ASCII",
+    "SECRET_WORDS",
     "UTF8_BOM",
     "check_bare_key",
     "check_namespaced_key",
-    "check_text",
     "check_tree",
     "encode_result",
     "json_failure",
@@ -40,25 +46,34 @@ MAX_DEPTH = 64
 UTF8_BOM = "\ufeff".encode()
 #: What ``parse_json_object`` says of JSON that is valid but not an object.
 NOT_AN_OBJECT = "Body must be a JSON object"
-MAX_RESULT_BYTES = 32_768
-MIN_BARE_KEY_BITS = 100.0
-#: A lease's length in seconds: at most a day, 60 when none is asked for.
-MAX_TTL_SECONDS = 86_400
-DEFAULT_TTL_SECONDS = 60
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# The request fields' bounds, each stated once (``leasekeeper._schemas`` declares the fields).
+MAX_TTL_SECONDS = 86_400  # a lease's length: at most a day,
+DEFAULT_TTL_SECONDS = 60  # 60 seconds when none is asked for
+MAX_KEY_CHARS = 200
+MIN_BARE_KEY_CHARS = 32  # a key without a namespace: this long, printable ASCII,
+MIN_BARE_KEY_BITS = 100.0  # and this random
+MAX_FINGERPRINT_CHARS = 1024
+MAX_RESULT_BYTES = 32_768  # a result's compact JSON encoding, as submitted
+#: Character ranges, written as both Python's re and JSON Schema read them inside ``[]``:
+#: what a key may not contain, and what a bare key is made of.
+CONTROL_CHARACTERS = r"\x00-\x1f\x7f-\x9f"
+PRINTABLE_ASCII = "!-~"
+
+_CONTROL = re.compile(f"[{CONTROL_CHARACTERS}]")
 #: A control character or a lone surrogate (which no UTF-8 can carry).
-_CONTROL_OR_SURROGATE = re.compile(r"[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
-_BARE_KEY = re.compile(r"[\x21-\x7e]{32,200}\Z")
+_CONTROL_OR_SURROGATE = re.compile(rf"[{CONTROL_CHARACTERS}\ud800-\udfff]")
+_BARE_KEY = re.compile(rf"[{PRINTABLE_ASCII}]{{{MIN_BARE_KEY_CHARS},{MAX_KEY_CHARS}}}\Z")
 _REDACTED = "[redacted]"
-_SECRET_WORDS = (
-    "authorization",
+#: A result's field whose name contains one of these is stored as ``[redacted]``.
+SECRET_WORDS = (
     "password",
     "passwd",
-    "secret",
     "token",
-    "privatekey",
+    "secret",
     "apikey",
+    "privatekey",
+    "authorization",
     "cookie",
 )
 #: Removed from a field name before the secret words are looked for: the spec's "-", "_",
@@ -206,23 +221,18 @@ def _check_surrogates(text: str) -> None:
         ) from None
 
 
-def check_text(field: str, value: str, *, max_chars: int) -> None:
-    """A non-empty string of at most ``max_chars`` characters without control characters.
+def check_namespaced_key(key: str) -> None:
+    """A key inside a namespace: 1 to ``MAX_KEY_CHARS`` characters, no control characters.
 
     Nor lone surrogates: the HTTP and MCP adapters refuse them before (``check_tree``),
     a program calling ``LeaseService`` itself might not, and no digest can be taken of
     text that has no UTF-8 encoding."""
-    if not 1 <= len(value) <= max_chars:
-        raise InvalidRequest(f"Invalid {field}: must be 1 to {max_chars} characters")
-    if _CONTROL_OR_SURROGATE.search(value):
-        if _CONTROL.search(value):
-            raise InvalidRequest(f"Invalid {field}: must not contain control characters")
-        raise InvalidRequest(f"Invalid {field}: must not contain lone surrogates")
-
-
-def check_namespaced_key(key: str) -> None:
-    """A key inside a namespace: 1-200 characters, no control characters."""
-    check_text("key", key, max_chars=200)
+    if not 1 <= len(key) <= MAX_KEY_CHARS:
+        raise InvalidRequest(f"Invalid key: must be 1 to {MAX_KEY_CHARS} characters")
+    if _CONTROL_OR_SURROGATE.search(key):
+        if _CONTROL.search(key):
+            raise InvalidRequest("Invalid key: must not contain control characters")
+        raise InvalidRequest("Invalid key: must not contain lone surrogates")
 
 
 def key_entropy_bits(key: str) -> float:
@@ -242,8 +252,8 @@ def check_bare_key(key: str) -> None:
     )
     if not _BARE_KEY.match(key):
         raise InvalidRequest(
-            "Invalid key: without a namespace a key must be 32 to 200 printable ASCII "
-            f"characters with no whitespace; {advice}"
+            f"Invalid key: without a namespace a key must be {MIN_BARE_KEY_CHARS} to "
+            f"{MAX_KEY_CHARS} printable ASCII characters with no whitespace; {advice}"
         )
     bits = key_entropy_bits(key)
     if bits < MIN_BARE_KEY_BITS:
@@ -292,7 +302,7 @@ def _secret_name(name: object) -> bool:
         # json.dumps would write 1 as "1" (beside a "1" of the caller's, a repeated name).
         raise InvalidRequest(_NOT_A_JSON_VALUE)
     folded = name.lower().translate(_NAME_NOISE)
-    return any(word in folded for word in _SECRET_WORDS)
+    return any(word in folded for word in SECRET_WORDS)
 
 
 def redact(value: Any) -> Any:

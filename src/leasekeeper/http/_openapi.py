@@ -1,155 +1,48 @@
-"""The OpenAPI 3.1 document for ``/openapi.json``, built from the request models."""
+"""The OpenAPI 3.1 document for ``/openapi.json``, derived from the request models
+(``leasekeeper._schemas``) and the reply types (``leasekeeper._replies``)."""
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+import functools
+from typing import Annotated, Any
 
-from leasekeeper._core.secrets import NAMESPACE_PATTERN, OWNER_TOKEN_PATTERN
+from pydantic import Field, TypeAdapter
+from pydantic.json_schema import JsonSchemaMode
+
+from leasekeeper import _replies as replies
 from leasekeeper._schemas import AcquireBody, CompleteBody, NamespaceBody, ReleaseBody, RenewBody
 
 __all__ = ["DOCS_HTML", "openapi_document"]
 
 _REF = "#/components/schemas/{model}"
 
-_INT = {"type": "integer"}
-_STR = {"type": "string"}
-# int64 where a value outgrows 32 bits: generators map a bare integer to int32 in Java,
-# Go or C#, and the store-wide fencing counter passes 2^31 in weeks at full load.
-_FENCE = {"type": "integer", "format": "int64", "minimum": 1, "maximum": 2**63 - 1}
-_TS = {"type": "integer", "format": "int64", "description": "Unix seconds, rounded down"}
-_ISO = {
-    "type": "string",
-    "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z$",
-    "description": "ISO 8601 UTC, YYYY-MM-DDTHH:MM:SSZ",
-}
-_OK = {"type": "boolean", "const": True}
-_NOT_OK = {"type": "boolean", "const": False}
-
-
-def _word(word: str) -> dict[str, Any]:
-    return {"type": "string", "const": word}
-
-
-def _obj(required: dict[str, Any], description: str) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "description": description,
-        "required": list(required),
-        "properties": required,
-    }
-
-
-_RESPONSES: dict[str, dict[str, Any]] = {
-    "Namespace": _obj(
-        {
-            "ok": _OK,
-            "namespace": {**_STR, "pattern": "^ns_[A-Za-z0-9_-]{43}$"},
-            "entropy_bits": {"type": "integer", "const": 256},
-        },
-        "A new namespace. Keep it secret; it cannot be listed or recovered.",
-    ),
-    "Granted": _obj(
-        {
-            "ok": _OK,
-            "status": _word("held"),
-            "owner_token": {**_STR, "pattern": "^own_[A-Za-z0-9_-]{43}$"},
-            "ttl_seconds": {**_INT, "minimum": 0},
-            "fencing_token": _FENCE,
-            "lease_expires_at_timestamp": _TS,
-            "lease_expires_at": _ISO,
-            "absolute_expires_at_timestamp": _TS,
-            "absolute_expires_at": _ISO,
-        },
-        "You own the lease. Keep owner_token secret; send fencing_token with your writes.",
-    ),
-    "Renewed": _obj(
-        {
-            "ok": _OK,
-            "status": _word("held"),
-            "ttl_seconds": {**_INT, "minimum": 0},
-            "fencing_token": _FENCE,
-            "lease_expires_at_timestamp": _TS,
-            "lease_expires_at": _ISO,
-            "absolute_expires_at_timestamp": _TS,
-            "absolute_expires_at": _ISO,
-        },
-        "The lease has a new expiry.",
-    ),
-    "Released": _obj(
-        {
-            "ok": _OK,
-            "status": _word("released"),
-            "fencing_token": _FENCE,
-        },
-        "The lease ended; the key can be acquired at once.",
-    ),
-    "Completed": _obj(
-        {
-            "ok": _OK,
-            "status": _word("completed"),
-            "completed_at": _ISO,
-            "result": {"description": "The stored JSON value (secret-named fields redacted)"},
-            "fencing_token": _FENCE,
-            "absolute_expires_at": _ISO,
-        },
-        "The work is done; here is its stored result.",
-    ),
-    "Error": {
-        "type": "object",
-        "required": ["ok", "status", "error"],
-        "properties": {
-            "ok": _NOT_OK,
-            "status": {
-                "type": "string",
-                "enum": [
-                    "invalid",
-                    "not_found",
-                    "method_not_allowed",
-                    "timeout",
-                    "held",
-                    "conflict",
-                    "lost",
-                    "too_large",
-                    "rate_limited",
-                    "unavailable",
-                    "internal",
-                ],
-            },
-            "error": _STR,
-            "retry_after_seconds": {**_INT, "minimum": 1},
-            "fencing_token": _FENCE,
-            "lease_expires_at": _ISO,
-            "absolute_expires_at": _ISO,
-        },
+#: The types the document names; the error shapes come in through the two unions.
+_TYPES: dict[str, Any] = {
+    **{
+        kind.__name__: kind
+        for kind in (
+            *(NamespaceBody, AcquireBody, RenewBody, ReleaseBody, CompleteBody),
+            *(replies.Namespace, replies.Granted, replies.Renewed, replies.Released),
+            *(replies.Completed, replies.Lost, replies.Alive, replies.Ready),
+        )
     },
-    "Held": _obj(
-        {
-            "ok": _NOT_OK,
-            "status": _word("held"),
-            "error": _STR,
-            "retry_after_seconds": {**_INT, "minimum": 1},
-            "fencing_token": _FENCE,
-            "lease_expires_at": _ISO,
-            "absolute_expires_at": _ISO,
-        },
-        "Another owner holds the lease: retry after retry_after_seconds (the Retry-After header).",
-    ),
-    "Conflict": _obj(
-        {
-            "ok": _NOT_OK,
-            "status": _word("conflict"),
-            "error": _STR,
-            "absolute_expires_at": _ISO,
-        },
-        "The key is bound to another fingerprint until absolute_expires_at.",
-    ),
-    "Lost": _obj(
-        {"ok": _NOT_OK, "status": _word("lost"), "error": _STR},
-        "You are not (or no longer) the live owner.",
-    ),
-    "Alive": _obj({"ok": _OK, "status": _word("alive")}, "The process is running."),
-    "Ready": _obj({"ok": _OK, "status": _word("ready")}, "The store can be reached and written."),
+    "Error": replies.Error,
+    "HeldOrConflict": Annotated[replies.Held | replies.Conflict, Field(discriminator="status")],
 }
+
+
+@functools.cache
+def _schemas() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The components, and the acquire's 409 body (held or conflict, written in place).
+
+    Derived once per process (pydantic builds a core schema for each type): every app
+    a test suite makes would pay for it again. Callers take a copy."""
+    mode: JsonSchemaMode = "validation"
+    inputs = [(name, mode, TypeAdapter(kind)) for name, kind in _TYPES.items()]
+    schemas, defs = TypeAdapter.json_schemas(inputs, ref_template=_REF)
+    components: dict[str, Any] = {**defs["$defs"], "Error": schemas["Error", mode]}
+    return components, schemas["HeldOrConflict", mode]
 
 
 def _ref(name: str) -> dict[str, Any]:
@@ -184,19 +77,6 @@ _COMMON_ERRORS = {
     "default": _json("Error", "any other refusal, in the same shape"),
 }
 
-
-def _one_of(description: str, *names: str, retry_after: str | None = None) -> dict[str, Any]:
-    """A response that is one of ``names``' bodies, told apart by their ``status``."""
-    schema = {
-        "oneOf": [_ref(name) for name in names],
-        "discriminator": {
-            "propertyName": "status",
-            "mapping": {name.lower(): _REF.format(model=name) for name in names},
-        },
-    }
-    return _json(schema, description, retry_after=retry_after)
-
-
 _NS = "ns_XbO8a6V9e5dMWYqghfPV3ykHTNpR3oZ0fQJm4l7K2nE"
 _OWNER = "own_6-DXEvQNKM4GG8_Y0PrPcSP1sR0Z9h11ybeTYPiQ0J8"
 _KEYED = {"namespace": _NS, "key": "invoice:2026-09-05"}
@@ -227,71 +107,12 @@ def _operation(
     }
 
 
-# The key's rule depends on the namespace: readable keys inside one, random ones without.
-# The entropy part of the second rule (at least 100 bits by the key's own character
-# frequencies) has no JSON Schema form; the description states it.
-# Patterns that forbid characters are written as "contains none of" (``not`` a search):
-# an anchored ``^[...]*$`` would let a trailing newline through in Python's re.
-_NAMESPACED_KEY = {
-    "type": "string",
-    "minLength": 1,
-    "maxLength": 200,
-    "not": {"pattern": "[\\x00-\\x1f\\x7f-\\x9f]"},
-}
-_BARE_KEY = {"type": "string", "minLength": 32, "maxLength": 200, "not": {"pattern": "[^!-~]"}}
-# As if/then/else on one flat object, not an anyOf of two: client generators turn an
-# anyOf into two partial models and lose the other fields.
-_KEY_RULE = {
-    "if": {"required": ["namespace"], "properties": {"namespace": {"type": "string"}}},
-    "then": {
-        "description": "With a namespace: a readable key",
-        "properties": {"key": _NAMESPACED_KEY},
-    },
-    "else": {
-        "description": "Without a namespace: a random key (also: at least 100 bits of entropy)",
-        "properties": {"key": _BARE_KEY},
-    },
-}
-
-
-def _request_schema(model: Any) -> dict[str, Any]:
-    """The model's JSON Schema with the rules its validators check written out.
-
-    Pydantic sees plain strings where the service checks shapes (namespace, owner
-    token) and a key rule that depends on the namespace; clients and fuzzers should
-    see those rules too.
-    """
-    schema: dict[str, Any] = model.model_json_schema(ref_template=_REF)
-    properties = schema.get("properties", {})
-    if "namespace" in properties:
-        properties["namespace"]["anyOf"] = [
-            {"type": "string", "minLength": 46, "maxLength": 46, "pattern": NAMESPACE_PATTERN},
-            {"type": "null"},
-        ]
-        properties["key"].update(minLength=1, maxLength=200)
-        schema.update(_KEY_RULE)
-    if "owner_token" in properties:
-        properties["owner_token"].update(minLength=47, maxLength=47, pattern=OWNER_TOKEN_PATTERN)
-    if "ttl_seconds" in properties:
-        properties["ttl_seconds"]["description"] = (
-            "Lease length in seconds, default 60 (null too means 60): a JSON integer written "
-            "without a fraction or exponent (60, not 60.0)"
-        )
-        properties["ttl_seconds"]["default"] = 60
-    return schema
-
-
 def openapi_document(base: str) -> dict[str, Any]:
     """The whole API description, with every route and body."""
-    schemas: dict[str, Any] = dict(_RESPONSES)
-    for model in (NamespaceBody, AcquireBody, RenewBody, ReleaseBody, CompleteBody):
-        schema = _request_schema(model)
-        schemas.update(schema.pop("$defs", {}))
-        schemas[model.__name__] = schema
-    held = _one_of(
+    schemas, held_or_conflict = copy.deepcopy(_schemas())
+    held = _json(
+        held_or_conflict,
         "held (another owner; Retry-After), or conflict",
-        "Held",
-        "Conflict",
         retry_after="Seconds to wait: sent with held only (a conflict is not waited out)",
     )
     lost = _json("Lost", "lost: you are not the live owner")

@@ -21,7 +21,7 @@ The server is built on the SDK's low-level ``Server`` rather than ``MCPServer``:
 ``MCPServer`` derives schemas from Python signatures and validates arguments with
 pydantic in lax mode (``"60"`` and ``true`` would pass as integers), while the
 contract wants the same strict validation as HTTP. Here the input schemas are
-written out with the spec's bounds, and the only validation is the service's.
+derived from the request models' fields, and the only validation is the service's.
 
 Transports:
 
@@ -73,10 +73,17 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from leasekeeper._core.secrets import NAMESPACE_PATTERN, OWNER_TOKEN_PATTERN
+from leasekeeper._core.secrets import ENCODED_CHARS, NAMESPACE_PREFIX, OWNER_PREFIX
 from leasekeeper._core.validation import (
+    DEFAULT_TTL_SECONDS,
+    MAX_FINGERPRINT_CHARS,
+    MAX_KEY_CHARS,
     MAX_RESULT_BYTES,
+    MAX_TTL_SECONDS,
+    MIN_BARE_KEY_BITS,
+    MIN_BARE_KEY_CHARS,
     NOT_AN_OBJECT,
+    SECRET_WORDS,
     UTF8_BOM,
     check_tree,
     parse_json_object,
@@ -90,8 +97,8 @@ from leasekeeper._errors import (
 )
 from leasekeeper._limits import Limits
 from leasekeeper._metrics import Metrics
-from leasekeeper._schemas import DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
-from leasekeeper._service import LeaseService, clean_up_every
+from leasekeeper._schemas import tool_input_schema
+from leasekeeper._service import OPERATIONS, LeaseService, clean_up_every
 from leasekeeper._settings import Settings
 from leasekeeper.http._app import ClientGone, read_body
 from leasekeeper.http._errors import status_code
@@ -125,77 +132,54 @@ TOOL_OPERATIONS: Final[Mapping[str, str]] = {
 }
 
 # -- input schemas ---------------------------------------------------------------------------
-# The spec's bounds, as JSON Schema. They tell a model what to send; the service
-# still checks every argument (a client need not honour a schema).
+# A tool's arguments are its operation's request fields, with their types and bounds
+# (``tool_input_schema``); what is written here is what each field means to an agent.
+# The service still checks every argument (a client need not honour a schema).
 
-_NAMESPACE: Final = {
-    "type": "string",
-    "pattern": NAMESPACE_PATTERN,
-    "description": (
-        "The namespace returned by create_lease_namespace (ns_ followed by 43 characters). "
-        "A secret: keep it in your own state and never show it to users or write it to "
-        "logs. Optional: without a namespace the key itself must be a random value (see key)."
+_ARGUMENTS: Final = {
+    "namespace": (
+        f"The namespace returned by create_lease_namespace ({NAMESPACE_PREFIX} followed by "
+        f"{ENCODED_CHARS} characters). A secret: keep it in your own state and never show it "
+        "to users or write it to logs. Optional: without a namespace the key itself must be a "
+        "random value (see key)."
     ),
-}
-_KEY: Final = {
-    "type": "string",
-    "minLength": 1,
-    "maxLength": 200,
-    "description": (
-        "Names one job, for example 'invoice:2026-09-05'. With a namespace: 1 to 200 "
-        "characters, no control characters. Without a namespace: 32 to 200 printable ASCII "
-        "characters, no whitespace, visibly random (at least 100 bits of entropy, such as a "
-        "UUID4). Use the same key every time you mean the same job. Treat it as a secret."
+    "key": (
+        f"Names one job, for example 'invoice:2026-09-05'. With a namespace: 1 to "
+        f"{MAX_KEY_CHARS} characters, no control characters. Without a namespace: "
+        f"{MIN_BARE_KEY_CHARS} to {MAX_KEY_CHARS} printable ASCII characters, no whitespace, "
+        f"visibly random (at least {MIN_BARE_KEY_BITS:.0f} bits of entropy, such as a UUID4). "
+        "Use the same key every time you mean the same job. Treat it as a secret."
     ),
-}
-_TTL: Final = {
-    "type": "integer",
-    "minimum": 1,
-    "maximum": MAX_TTL_SECONDS,
-    "description": (
+    "ttl_seconds": (
         f"Seconds until the lease expires unless renewed: an integer from 1 to "
         f"{MAX_TTL_SECONDS}, default {DEFAULT_TTL_SECONDS}. Pick a little more than one step "
         "of your work and renew as you go."
     ),
-}
-_FINGERPRINT: Final = {
-    "type": "string",
-    "minLength": 1,
-    "maxLength": 1024,
-    "description": (
-        "Identifies the job's input, for example a hash of the request (1 to 1024 "
-        "characters). The first acquire binds the key to this fingerprint, or to having none, "
-        "for the key's 24-hour lifecycle; an acquire with a different one gets status "
-        "conflict. Send the same fingerprint every time for the same job. Treat it as a secret."
+    "fingerprint": (
+        f"Identifies the job's input, for example a hash of the request (1 to "
+        f"{MAX_FINGERPRINT_CHARS} characters). The first acquire binds the key to this "
+        "fingerprint, or to having none, for the key's 24-hour lifecycle; an acquire with a "
+        "different one gets status conflict. Send the same fingerprint every time for the same "
+        "job. Treat it as a secret."
     ),
-}
-_OWNER_TOKEN: Final = {
-    "type": "string",
-    "pattern": OWNER_TOKEN_PATTERN,
-    "description": (
-        "The owner_token that acquire_lease returned to you (own_ followed by 43 "
-        "characters). A secret: it proves you own the lease."
+    "owner_token": (
+        f"The owner_token that acquire_lease returned to you ({OWNER_PREFIX} followed by "
+        f"{ENCODED_CHARS} characters). A secret: it proves you own the lease."
     ),
-}
-_RESULT: Final = {
-    "description": (
+    "result": (
         f"The job's result: any JSON value, at most {MAX_RESULT_BYTES:,} bytes as compact JSON "
         "(and the whole call under 64 KiB, or it is refused before the tool runs). Fields "
-        "whose name contains a secret's word (password, passwd, token, secret, apikey, "
-        "privatekey, authorization, cookie; case, '-', '_', '.' and spaces ignored, so "
-        'tokens_used and API-Key too) are stored as "[redacted]"; keep secrets and personal '
-        "data out of other fields too."
+        f"whose name contains a secret's word ({', '.join(SECRET_WORDS)}; case, '-', '_', '.' "
+        'and spaces ignored, so tokens_used and API-Key too) are stored as "[redacted]"; '
+        "keep secrets and personal data out of other fields too."
     ),
 }
 
 
-def _schema(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": properties,
-        "required": required,
-        "additionalProperties": False,
-    }
+def _schema(tool: str) -> dict[str, Any]:
+    """The input schema of ``tool``: the fields of its operation's request."""
+    model, _ = OPERATIONS[TOOL_OPERATIONS[tool]]
+    return tool_input_schema(model, _ARGUMENTS)
 
 
 _ERRORS_ANY_TOOL = (
@@ -222,7 +206,7 @@ _TOOLS: Final = (
             "from your address; use the namespace you already have, or wait "
             "retry_after_seconds."
         ),
-        input_schema=_schema({}, []),
+        input_schema=_schema("create_lease_namespace"),
         annotations=types.ToolAnnotations(
             title="Create a lease namespace",
             # Minting stores nothing: the namespace is its own proof. Every call
@@ -253,15 +237,7 @@ _TOOLS: Final = (
             "input) within its 24-hour lifecycle. Use a new key for different input; never "
             "reuse a key for other work.\n" + _ERRORS_ANY_TOOL
         ),
-        input_schema=_schema(
-            {
-                "namespace": _NAMESPACE,
-                "key": _KEY,
-                "ttl_seconds": _TTL,
-                "fingerprint": _FINGERPRINT,
-            },
-            ["key"],
-        ),
+        input_schema=_schema("acquire_lease"),
         annotations=types.ToolAnnotations(
             title="Acquire a lease",
             read_only_hint=False,
@@ -286,15 +262,7 @@ _TOOLS: Final = (
             "at once, do not write its output, and call acquire_lease again if the job still "
             "needs doing.\n" + _ERRORS_ANY_TOOL
         ),
-        input_schema=_schema(
-            {
-                "namespace": _NAMESPACE,
-                "key": _KEY,
-                "owner_token": _OWNER_TOKEN,
-                "ttl_seconds": _TTL,
-            },
-            ["key", "owner_token"],
-        ),
+        input_schema=_schema("renew_lease"),
         annotations=types.ToolAnnotations(
             title="Renew a lease",
             read_only_hint=False,
@@ -315,10 +283,7 @@ _TOOLS: Final = (
             'Tool error "lost": you were not the owner any more; there is nothing to release. '
             "Do not write the job's output.\n" + _ERRORS_ANY_TOOL
         ),
-        input_schema=_schema(
-            {"namespace": _NAMESPACE, "key": _KEY, "owner_token": _OWNER_TOKEN},
-            ["key", "owner_token"],
-        ),
+        input_schema=_schema("release_lease"),
         annotations=types.ToolAnnotations(
             title="Release a lease",
             read_only_hint=False,
@@ -344,15 +309,7 @@ _TOOLS: Final = (
             'Tool error "too_large": the result is over the limit; shrink it and call again '
             "(your lease is unchanged).\n" + _ERRORS_ANY_TOOL
         ),
-        input_schema=_schema(
-            {
-                "namespace": _NAMESPACE,
-                "key": _KEY,
-                "owner_token": _OWNER_TOKEN,
-                "result": _RESULT,
-            },
-            ["key", "owner_token", "result"],
-        ),
+        input_schema=_schema("complete_lease"),
         annotations=types.ToolAnnotations(
             title="Complete a lease",
             read_only_hint=False,
@@ -800,11 +757,13 @@ async def serve_stdio(
 def _drop_unsendable_answers() -> None:
     """Collect now the SDK's stdout writer, whose peer has gone, without a second report.
 
-    The writer (a buffered file on a duplicate of fd 1) still holds the answer whose
-    flush met the closed pipe, and is garbage in a reference cycle (the BrokenPipeError's
-    traceback). Its finalizer flushes again and fails again; Python 3.13 reports that
-    through ``sys.unraisablehook`` (3.11 and 3.12 only in development mode), which
-    prints "Exception ignored in: <_io.BufferedWriter ...>" and the error to stderr:
+    The writer (a buffered file on a duplicate of fd 1, under a text wrapper) still
+    holds the answer whose flush met the closed pipe, and is garbage in a reference
+    cycle (the BrokenPipeError's traceback). The finalizer that runs first, the
+    buffer's or the wrapper's (the collector's order), flushes again and fails again;
+    Python 3.13 reports that through ``sys.unraisablehook`` (3.11 and 3.12 only in
+    development mode), which prints "Exception ignored in: <_io.BufferedWriter ...>"
+    (or ``<_io.TextIOWrapper ...>``) and the error to stderr:
     lines that are not the log's JSON, about what the WARNING has said. That one error
     is dropped here; any other is reported as before.
     """
@@ -813,7 +772,7 @@ def _drop_unsendable_answers() -> None:
     def dropping(unraisable: sys.UnraisableHookArgs) -> None:
         if not (
             issubclass(unraisable.exc_type, BrokenPipeError)
-            and isinstance(unraisable.object, io.BufferedWriter)
+            and isinstance(unraisable.object, io.BufferedWriter | io.TextIOWrapper)
         ):
             report(unraisable)
 
