@@ -33,9 +33,9 @@ from starlette.testclient import TestClient
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from leasekeeper import LeaseService, Settings
+from leasekeeper._asgi import _larger_than
 from leasekeeper._limits import RateLimiter, client_address
 from leasekeeper.http import create_app
-from leasekeeper.http._app import _larger_than
 from leasekeeper.http._protocol import MAX_PIPELINED, guard_protocol
 from leasekeeper.store import MemoryStore
 from tests._server import Server, free_port, running_server

@@ -1,7 +1,8 @@
 """The HTTP adapter: ``create_app(service, settings)`` returns the ASGI application."""
 
-from leasekeeper.http._app import BASE_PATH, LeaseApp, create_app
-from leasekeeper.http._errors import STATUS_CODES, error_response
+from leasekeeper.http._app import BASE_PATH, create_app
+from leasekeeper.http._errors import STATUS_CODES, error_response, status_code
+from leasekeeper.http._lease_app import LeaseApp
 
 __all__ = [
     "BASE_PATH",
@@ -9,4 +10,5 @@ __all__ = [
     "LeaseApp",
     "create_app",
     "error_response",
+    "status_code",
 ]

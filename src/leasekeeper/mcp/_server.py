@@ -73,6 +73,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from leasekeeper._asgi import ClientGone, read_body
 from leasekeeper._core.secrets import NAMESPACE_PATTERN, OWNER_TOKEN_PATTERN
 from leasekeeper._core.validation import (
     MAX_RESULT_BYTES,
@@ -93,8 +94,7 @@ from leasekeeper._metrics import Metrics
 from leasekeeper._schemas import DEFAULT_TTL_SECONDS, MAX_TTL_SECONDS
 from leasekeeper._service import LeaseService, clean_up_every
 from leasekeeper._settings import Settings
-from leasekeeper.http._app import ClientGone, read_body
-from leasekeeper.http._errors import status_code
+from leasekeeper.http import status_code
 
 __all__ = [
     "INSTRUCTIONS",
