@@ -1534,16 +1534,16 @@ def test_the_id_of_a_line_too_long_is_read_from_its_start(
     start: bytes, request_id: int | str | None
 ) -> None:
     """Only where every member before it, and the id itself, are whole in the start."""
-    from leasekeeper.mcp._server import _id_from_start
+    from leasekeeper.mcp._jsonrpc import id_from_start
 
-    assert _id_from_start(start) == request_id
+    assert id_from_start(start) == request_id
 
 
 def test_stdio_lines_are_split_and_bounded_as_sent() -> None:
     """``_FdLines`` (stdin for ``leasekeeper mcp``): lines split across reads, a line of
     exactly the limit and one past it (dropped but for its start), a long line and a
     short one in one write, and a last line without its newline."""
-    from leasekeeper.mcp._server import _FdLines, _TooLong
+    from leasekeeper.mcp._stdio import _FdLines, _TooLong
 
     read_end, write_end = os.pipe()
     try:
@@ -1573,11 +1573,11 @@ def test_a_line_of_the_limit_whose_newline_comes_in_a_later_read_is_whole(
 ) -> None:
     """``_FdLines``: a line of exactly ``max_bytes`` whose newline is not in the first read
     (a pipe hands over what was written so far) is a line, not one too long."""
-    from leasekeeper.mcp import _server
+    from leasekeeper.mcp import _stdio
 
     reads = iter([b"x" * 10, b"\n", b""])
-    monkeypatch.setattr(_server, "os", SimpleNamespace(read=lambda fd, size: next(reads)))
-    lines = _server._FdLines(0, 10)
+    monkeypatch.setattr(_stdio, "os", SimpleNamespace(read=lambda fd, size: next(reads)))
+    lines = _stdio._FdLines(0, 10)
     assert lines.readline() == b"x" * 10 + b"\n"
     assert lines.readline() == b""
 
@@ -1587,7 +1587,7 @@ async def test_a_cancellation_naming_true_leaves_request_1_due() -> None:
     """``StrictStdin`` counts a request handed on as due until it is answered or cancelled
     (the end of stdin waits for it): a ``notifications/cancelled`` naming ``true`` is no
     cancellation of request 1, as ``true`` is no id; one naming ``1`` is."""
-    from leasekeeper.mcp._server import StrictStdin
+    from leasekeeper.mcp._stdio import StrictStdin
 
     stdin = StrictStdin(0, 100)  # nothing is read from the descriptor here
 
