@@ -37,7 +37,7 @@ from leasekeeper._metrics import Metrics
 from leasekeeper._service import LeaseService
 from leasekeeper._settings import Settings
 from leasekeeper.http import status_code
-from leasekeeper.mcp._jsonrpc import _NOT_JSON_RPC, Refusal, read_message
+from leasekeeper.mcp._jsonrpc import Refusal, read_message
 from leasekeeper.mcp._server import MCP_PATH, create_mcp_server
 
 __all__ = ["StreamableHttpMount", "streamable_http_mount"]
@@ -121,11 +121,9 @@ class _Gate:
       body: an MCP client reads no other body at an error status.
     - The body is read by the API's rules (``read_message``, as each line over stdio)
       before the SDK reads it, and one refused gets its JSON-RPC error with HTTP 400,
-      as the SDK answers malformed JSON. A byte-order mark is ignored, as before an
-      API body (the SDK's older transport refused it).
-    - The SDK's answer to a message that is not valid JSON-RPC quotes pydantic's
-      error, which quotes the input (namespaces, owner tokens): that message is
-      replaced by one that names no value.
+      as the SDK answers malformed JSON. So no message reaches the SDK that its own
+      validation would refuse, with an answer quoting the input (namespaces, owner
+      tokens). A byte-order mark is ignored, as before an API body.
     """
 
     def __init__(self, app: ASGIApp, max_body: int, body_timeout: float) -> None:
@@ -187,10 +185,9 @@ def _refused(refusal: Refusal) -> Response:
 
 
 def _sdk_errors_as_json(send: Send) -> Send:
-    """``send``, with the SDK's error answers made safe and JSON: a "Validation
-    error: ..." (which quotes the message) says ``_NOT_JSON_RPC`` instead, and a
-    plain-text one (a foreign Host or Origin, a missing Content-Type) becomes the
-    API's ``invalid`` body with the same status and sentence. Each is one piece."""
+    """``send``, with the SDK's error answers in plain text (a foreign Host or Origin, a
+    missing Content-Type, an Accept without JSON) made the API's ``invalid`` body with
+    the same status and sentence. Each answer is one piece."""
     held: Message | None = None
 
     async def sending(message: Message) -> None:
@@ -200,7 +197,7 @@ def _sdk_errors_as_json(send: Send) -> Send:
             return
         if held is not None and message["type"] == "http.response.body":
             start, held = held, None
-            body = _safe_error_body(message.get("body", b""), start["status"])
+            body = _as_json(message.get("body", b""), start["status"])
             if body is not None:
                 headers = [
                     (name, value)
@@ -221,18 +218,16 @@ def _sdk_errors_as_json(send: Send) -> Send:
 _EMPTY_REFUSALS: Final = {406: "Not Acceptable: Client must accept application/json"}
 
 
-def _safe_error_body(body: bytes, status: int) -> bytes | None:
-    """What an SDK error body becomes (None: it stays as it is)."""
+def _as_json(body: bytes, status: int) -> bytes | None:
+    """The API's ``invalid`` body for an SDK error body in plain text (its fixed
+    sentences, which quote no input); None for one in JSON, which stays."""
     try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:  # the SDK's plain text: fixed sentences, no input
+        orjson.loads(body)
+    except orjson.JSONDecodeError:
         sentence = body.decode("utf-8", "replace").strip()[:200] or _EMPTY_REFUSALS.get(
             status, "The request was refused"
         )
         return orjson.dumps({"ok": False, "status": "invalid", "error": sentence})
-    error = parsed.get("error") if isinstance(parsed, dict) else None
-    if isinstance(error, dict) and str(error.get("message")).startswith("Validation error"):
-        return orjson.dumps({**parsed, "error": {**error, "message": _NOT_JSON_RPC}})
     return None
 
 
