@@ -14,6 +14,7 @@ import gc
 import ipaddress
 import json
 import random
+import re
 import select
 import socket
 import threading
@@ -31,12 +32,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from leasekeeper import LeaseService, Settings
 from leasekeeper._asgi import _larger_than
 from leasekeeper._limits import RateLimiter, client_address
 from leasekeeper.http import create_app
-from leasekeeper.http._protocol import MAX_PIPELINED, guard_protocol
+from leasekeeper.http._protocol import (
+    MAX_PIPELINED,
+    guard_protocol,
+    missing_uvicorn_internals,
+    serve_connection_limit_with,
+)
 from leasekeeper.store import MemoryStore
 from tests._server import Server, free_port, running_server
 from tests.conftest import FakeMonotonic, metric
@@ -584,6 +591,49 @@ def test_a_read_that_begins_the_trailers_is_not_counted_as_trailers() -> None:
     protocol.data_received(head + b"2\r\n{}\r\n0\r\nX-Trailer: 1\r\n")
     protocol.data_received(b"X-Trailer: 2\r\n")
     assert transport.paused == 0 and not transport.closed, transport.written[:300]
+
+
+@pytest.mark.parametrize(
+    "protocol_class", [HttpToolsProtocol, H11Protocol], ids=["httptools", "h11"]
+)
+def test_uvicorn_has_every_internal_the_protocol_guard_relies_on(protocol_class: Any) -> None:
+    """Every name of uvicorn's private API in ``UVICORN_INTERNALS`` is there, on a
+    protocol with a request begun: a uvicorn release that renames or drops one fails
+    here, and the assertion names it."""
+    from uvicorn.server import ServerState
+
+    class TaskLoop(RecordingLoop):
+        def create_task(self, coroutine: Any, **_: Any) -> Any:
+            coroutine.close()  # the app never runs: the request stays unanswered
+            return _UnrunTask()
+
+    config = uvicorn.Config(create_app(LeaseService(MemoryStore())), log_config=None)
+    config.load()
+    protocol = protocol_class(config, ServerState(), {}, TaskLoop())
+    protocol.connection_made(RecordingTransport())
+    protocol.data_received(
+        b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n"
+    )
+    assert protocol.cycle is not None
+    missing = missing_uvicorn_internals(protocol)
+    assert not missing, f"uvicorn {uvicorn.__version__} lacks {', '.join(missing)}"
+
+
+def test_a_uvicorn_that_lacks_one_is_refused_at_start_up_with_its_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``serve`` fits uvicorn through ``guard_protocol`` and ``serve_connection_limit_with``:
+    on a uvicorn without a name they rely on, each refuses with that name."""
+    from uvicorn.protocols.http import httptools_impl
+
+    monkeypatch.delattr(httptools_impl.HttpToolsProtocol, "_start_asgi_task")
+    name = "uvicorn.protocols.http.httptools_impl.HttpToolsProtocol._start_asgi_task"
+    with pytest.raises(RuntimeError, match=re.escape(f"lacks {name},")):
+        guard_protocol(httptools_impl.HttpToolsProtocol, 5.0)
+    monkeypatch.delattr(httptools_impl, "service_unavailable")
+    name = "uvicorn.protocols.http.httptools_impl.service_unavailable"
+    with pytest.raises(RuntimeError, match=re.escape(f"lacks {name},")):
+        serve_connection_limit_with(create_app(LeaseService(MemoryStore())).at_connection_limit())
 
 
 @pytest.mark.slow
