@@ -848,6 +848,45 @@ def test_the_sdks_loggers_are_held_at_warning_under_debug() -> None:
         sdk.setLevel(saved[1])
 
 
+@pytest.mark.anyio
+async def test_quiet_sdk_logs_keeps_out_the_frames_the_sdk_logs_whole_at_debug(
+    service: LeaseService, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Why ``quiet_sdk_logs``: at DEBUG, mcp 2.3 logs whole each frame past the eighth
+    that comes before a connection's first request, whatever it carries (here a
+    namespace). If this test finds the SDK no longer does, ``quiet_sdk_logs`` can go."""
+    from mcp.server.stdio import stdio_server
+
+    secret = "ns_" + "S" * 43
+    frame = {"jsonrpc": "2.0", "method": "notifications/x", "params": {"namespace": secret}}
+
+    class Stdout:
+        async def write(self, text: str) -> None: ...
+        async def flush(self) -> None: ...
+
+    async def serve() -> None:
+        async def lines() -> AsyncIterator[str]:
+            for _ in range(10):
+                yield json.dumps(frame) + "\n"
+
+        server = create_mcp_server(service)
+        async with stdio_server(stdin=lines(), stdout=Stdout()) as (read, write):  # type: ignore[arg-type]
+            await server.run(read, write, server.create_initialization_options())
+
+    sdk = logging.getLogger("mcp")
+    saved = sdk.level
+    caplog.set_level(logging.DEBUG)
+    try:
+        await serve()
+        assert secret in caplog.text, "the SDK no longer logs frames whole: drop quiet_sdk_logs"
+        caplog.clear()
+        leasekeeper.mcp.quiet_sdk_logs()
+        await serve()
+        assert secret not in caplog.text
+    finally:
+        sdk.setLevel(saved)
+
+
 @pytest.mark.parametrize("era", ERAS)
 def test_mcp_mints_past_the_burst_are_rate_limited_as_over_http(
     monotonic: FakeMonotonic, era: str
