@@ -158,10 +158,10 @@ def _tune_gc() -> None:
 
     Everything loaded by now (modules, schemas, the app) lives as long as the
     process: ``gc.freeze`` takes it out of every later collection, which would
-    otherwise scan it in full each time the oldest generation is collected (tens
-    of milliseconds, the whole of the p99 under load). Requests allocate many
-    short-lived containers; a larger first-generation threshold collects them
-    less often. Reference counting still frees almost everything at once.
+    otherwise scan it in full, a pause on every request in flight, each time the
+    oldest generation is collected. Requests allocate many short-lived containers;
+    a larger first-generation threshold collects them less often. Reference
+    counting still frees almost everything at once.
     """
     gc.collect()
     gc.freeze()

@@ -1,12 +1,8 @@
 """MCP over stdio, for desktop agents: ``leasekeeper mcp``.
 
-The SDK's stdio transport (mcp 2.3) reads stdin leniently and without bounds: a line
-of any length, malformed UTF-8 replaced (two different byte sequences became one
-key), the last of a repeated name kept (``"key":"a","key":"b"`` took a lease on
-``b``), and nothing answered to a line it cannot parse or validate, so its peer
-waited for ever. At the end of stdin it cancels the calls still running. So
-``StrictStdin`` reads the lines, and the SDK is handed only those the API's rules
-accept.
+The SDK's stdio transport (mcp 2.3) is handed ``StrictStdin`` in place of stdin: its
+own reading is lenient and unbounded, and at the end of stdin it cancels the calls
+still running, where ``StrictStdin`` waits for their answers first.
 """
 
 from __future__ import annotations
@@ -124,10 +120,10 @@ class StrictStdin:
     reads a body (``read_message``), and the ones refused answered here, never
     handed on.
 
-    The SDK reads stdin with ``errors="replace"`` (two different malformed byte
-    sequences became one key), keeps the last of a repeated name (``"key":"a",
-    "key":"b"`` took a lease on ``b``) and answers nothing to a line it cannot
-    parse or validate, so its peer waited for ever. Here each refusal is answered
+    The SDK reads a line of any length, with ``errors="replace"`` (two different
+    malformed byte sequences become one key), keeps the last of a repeated name
+    (``"key":"a","key":"b"`` takes a lease on ``b``) and answers nothing to a line it
+    cannot parse or validate, so its peer waits for ever. Here each refusal is answered
     with the message's ``id`` where one can be read, so the peer's call fails at
     once, and ``null`` otherwise, as JSON-RPC says. A line longer than ``max_bytes``
     is the invalid-request error (-32600). Blank lines are skipped, and a byte-order
@@ -177,7 +173,7 @@ class StrictStdin:
     async def _lines(self) -> AsyncIterator[str]:
         # Lines come from a daemon thread of their own: one blocked reading stdin must
         # not keep the process from exiting (on Ctrl-C, say), as a worker thread of
-        # anyio's, which the interpreter waits for at exit, did.
+        # anyio's would (the interpreter waits for those at exit).
         lines: asyncio.Queue[bytes | _TooLong] = asyncio.Queue(maxsize=8)
         loop = asyncio.get_running_loop()
 
