@@ -344,6 +344,45 @@ def test_the_body_deadline_is_the_request_timeout() -> None:
     assert asked == [1.0, 7.5, 3600]  # the part's wait, the deadline, the wait for more
 
 
+def test_a_body_already_there_is_read_without_a_timer() -> None:
+    """The body's deadline is a timer only once a receive() has to wait: a body that is
+    there when the request is (nearly every one) is read with none, which is what
+    ``read_body``'s ``_Deadline`` and ``_resume`` are for (asyncio.timeout would start
+    one per request)."""
+    app = create_app(
+        LeaseService(MemoryStore()), Settings(request_timeout_seconds=7.5), run_cleanup=False
+    )
+    body = b'{"key": "%s"}' % str(uuid.uuid4()).encode()
+    scope = {"type": "http", "method": "POST", "path": f"{BASE}/lease", "headers": []}
+    sent: list[dict[str, Any]] = []
+    asked: list[float] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        call_at, call_later = loop.call_at, loop.call_later
+
+        def at(when: float, callback: Any, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:
+            asked.append(when - loop.time())
+            return call_at(when, callback, *args, **kwargs)
+
+        def later(delay: float, callback: Any, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:
+            asked.append(delay)
+            return call_later(delay, callback, *args, **kwargs)
+
+        loop.call_at, loop.call_later = at, later  # type: ignore[method-assign]
+        await app({**scope, "client": ("127.0.0.1", 1)}, receive, send)
+
+    asyncio.run(run())
+    assert sent[0]["status"] == 201
+    assert not [delay for delay in asked if delay > 1], asked
+
+
 def test_a_body_that_arrives_in_time_is_served_in_process() -> None:
     """A body that has to be waited for, in one part or in several, is a normal request."""
     key = f'"{uuid.uuid4()}"}}'
