@@ -1,35 +1,26 @@
 """Slow and malformed clients, handled at the connection, below the ASGI app.
 
-uvicorn closes a connection that idles *between* requests, but sets no bound on how
-long a client may take to send a request's headers: a thousand clients trickling a
-header byte every few seconds would hold every one of ``LEASEKEEPER_MAX_CONNECTIONS``.
-``guard_protocol`` subclasses uvicorn's HTTP protocol (the ``http=`` class uvicorn
-accepts) so that::
+uvicorn sets no bound on how long a client may take to send a request's headers, so
+clients trickling a header byte now and then could hold every connection slot.
+``guard_protocol`` subclasses uvicorn's HTTP protocol (the ``http=`` class it takes)::
 
     connect, or a request's first byte          headers complete
     |<----------- request_timeout ----------->|
                                               app reads the body (bounded in read_body)
                                               |<----------- request_timeout ---------->|
 
-- headers not complete in time get a JSON ``408 timeout`` and the connection is
+- headers not complete in time get a JSON ``408 timeout``, and the connection is
   closed; headers that arrive in one read (every normal client) start no timer;
-- once the connection's send buffer is full, the client must drain it within
-  ``request_timeout``, or the connection is dropped (one that never reads its answers
-  would hold its slot for ever);
+- a full send buffer must drain within ``request_timeout``, or the connection is dropped;
 - a head (or a chunked body's trailer section) past ``MAX_HEAD_BYTES`` gets a JSON
-  ``431`` and the connection is closed (``too_large``); behind a request still being
-  answered, it is read no further and gets its 431 after that answer;
-- malformed HTTP gets a JSON ``400 invalid`` instead of uvicorn's plain text, so every
-  answer is a JSON object.
+  ``431``, after the answer being sent if any, and the connection is closed;
+- malformed HTTP gets a JSON ``400 invalid``, not uvicorn's plain text.
 
 On httptools, an upgrade offer the server does not take (``Upgrade: h2c``, which
-``curl --http2``, Java's HttpClient and Ktor send on plain HTTP) is ignored, as RFC
-9110 (section 7.8) lets a server do (``_IgnoredUpgrade``), and at most
-``MAX_PIPELINED`` requests may wait their turn on one connection (``_BoundedPipeline``).
-
-All of this relies on uvicorn's private protocol API, listed in ``UVICORN_INTERNALS``
-and checked when the server starts (``guard_protocol``) and by tests/test_abuse.py;
-pyproject.toml pins uvicorn to the minor series the suite passes on.
+``curl --http2`` and Java's HttpClient send) is ignored, as RFC 9110 section 7.8 allows
+(``_IgnoredUpgrade``), and at most ``MAX_PIPELINED`` requests wait on one connection
+(``_BoundedPipeline``). All of it relies on uvicorn's private API, as declared in
+``UVICORN_INTERNALS``, which the server checks at start-up.
 """
 
 from __future__ import annotations
@@ -79,47 +70,34 @@ MAX_PIPELINED = 32
 
 @dataclass(frozen=True, slots=True)
 class _Relied:
-    """What this module relies on in one of uvicorn's protocol modules."""
+    """In one module of uvicorn.protocols.http: the protocol class ``guard_protocol``
+    subclasses; its methods that the guard overrides (uvicorn must call them) or calls;
+    the attributes it reads or sets on a protocol with a request begun, and on that
+    request's cycle (each a string of names)."""
 
-    protocol: str  #: the protocol class, which ``guard_protocol`` subclasses
-    methods: tuple[str, ...]  #: of the class: overridden (uvicorn must call them) or called
-    attributes: tuple[str, ...]  #: of a protocol with a request begun, read or set
-    cycle: tuple[str, ...]  #: of its request cycle (``protocol.cycle``), read or set
+    protocol: str
+    methods: str
+    attributes: str
+    cycle: str
 
 
-_SHARED_METHODS = ("on_response_complete", "send_400_response")
-_SHARED_ATTRIBUTES = ("transport", "loop", "flow", "cycle")
-_SHARED_CYCLE = ("response_complete", "more_body")
-
-#: uvicorn's private API that this module relies on, per module of
-#: ``uvicorn.protocols.http``; in each, ``service_unavailable`` too (the app uvicorn runs
-#: past its connection limit, which ``serve_connection_limit_with`` replaces).
+#: uvicorn's private API that this module relies on; in each module, the global
+#: ``service_unavailable`` too (the app it runs past its connection limit, which
+#: ``serve_connection_limit_with`` replaces).
 UVICORN_INTERNALS: Final = {
     "httptools_impl": _Relied(
-        protocol="HttpToolsProtocol",
-        methods=(
-            *_SHARED_METHODS,
-            "shutdown",
-            "_start_asgi_task",
-            "_unset_keepalive_if_required",
-            "_should_upgrade",
-            "handle_websocket_upgrade",
-            # the parser's callbacks
-            "on_message_begin",
-            "on_url",
-            "on_header",
-            "on_headers_complete",
-            "on_body",
-            "on_message_complete",
-        ),
-        attributes=(*_SHARED_ATTRIBUTES, "pipeline", "parser", "logger", "scope", "headers", "url"),
-        cycle=(*_SHARED_CYCLE, "message_event", "disconnected", "transport", "keep_alive"),
+        "HttpToolsProtocol",
+        methods="on_response_complete send_400_response shutdown _start_asgi_task"
+        " _unset_keepalive_if_required _should_upgrade handle_websocket_upgrade"
+        " on_message_begin on_url on_header on_headers_complete on_body on_message_complete",
+        attributes="transport loop flow cycle pipeline parser logger scope headers url",
+        cycle="response_complete more_body message_event disconnected transport keep_alive",
     ),
     "h11_impl": _Relied(
-        protocol="H11Protocol",
-        methods=_SHARED_METHODS,
-        attributes=_SHARED_ATTRIBUTES,
-        cycle=_SHARED_CYCLE,
+        "H11Protocol",
+        methods="on_response_complete send_400_response",
+        attributes="transport loop flow cycle",
+        cycle="response_complete more_body",
     ),
 }
 
@@ -139,23 +117,21 @@ def missing_uvicorn_internals(protocol: object) -> list[str]:
     if not hasattr(importlib.import_module(where), "service_unavailable"):
         missing.append(f"{where}.service_unavailable")
     prefix = f"{where}.{relied.protocol}"
-    missing += [f"{prefix}.{method}" for method in relied.methods if not hasattr(cls, method)]
+    missing += [f"{prefix}.{m}" for m in relied.methods.split() if not hasattr(cls, m)]
     if protocol is not cls:
-        missing += [f"{prefix}().{a}" for a in relied.attributes if not hasattr(protocol, a)]
+        missing += [
+            f"{prefix}().{a}" for a in relied.attributes.split() if not hasattr(protocol, a)
+        ]
         cycle = getattr(protocol, "cycle", None)
-        missing += [f"{prefix}().cycle.{a}" for a in relied.cycle if not hasattr(cycle, a)]
+        missing += [f"{prefix}().cycle.{a}" for a in relied.cycle.split() if not hasattr(cycle, a)]
     return missing
 
 
 def uvicorn_protocol() -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol (httptools is a dependency), for ``guard_protocol``."""
-    where = "uvicorn.protocols.http.httptools_impl"
-    protocol: type[asyncio.Protocol] | None = getattr(
-        importlib.import_module(where), "HttpToolsProtocol", None
-    )
-    if protocol is None:
-        raise RuntimeError(_refusal([f"{where}.HttpToolsProtocol"]))
-    return protocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    return HttpToolsProtocol
 
 
 def serve_connection_limit_with(app: ASGIApp) -> None:
@@ -163,10 +139,7 @@ def serve_connection_limit_with(app: ASGIApp) -> None:
     rather than its plain-text 503: uvicorn looks that app up per request, as a global
     of its protocol's module (``service_unavailable``)."""
     for name in UVICORN_INTERNALS:
-        try:
-            module = importlib.import_module(f"uvicorn.protocols.http.{name}")
-        except ImportError:
-            continue
+        module = importlib.import_module(f"uvicorn.protocols.http.{name}")
         if not hasattr(module, "service_unavailable"):
             raise RuntimeError(_refusal([f"{module.__name__}.service_unavailable"]))
         module.service_unavailable = app  # type: ignore[attr-defined]
@@ -324,15 +297,11 @@ class _IgnoredUpgrade(_Uvicorn):
     """Mixed in before uvicorn's httptools protocol: serves a request that offers an
     upgrade the server does not take as if it had not offered it, body included.
 
-    llhttp ends such a request at its headers and hands back every byte after them
-    as the new protocol's. uvicorn then runs the app with an empty body and feeds
-    nothing more to the stopped parser: the body is lost (a valid acquire got 400)
-    and the connection hangs (uvicorn#2722). Here a new parser is given the request's
-    head again, without the offer, and then those bytes: the body goes to the request
-    already started, and what follows is parsed as usual. Where a WebSocket library
-    is installed (leasekeeper needs none), a WebSocket upgrade still goes to uvicorn's;
-    a ``CONNECT`` is left as uvicorn leaves it (its target is refused with a 400
-    before this point is reached).
+    llhttp ends such a request at its headers, and uvicorn runs the app with an empty
+    body and feeds nothing more to the stopped parser: the body is lost and the
+    connection hangs (uvicorn#2722). Here a new parser is given the request's head
+    again, without the offer, and then the bytes after it. A WebSocket upgrade (where
+    a WebSocket library is installed) and a ``CONNECT`` are left to uvicorn.
     """
 
     _lk_in_body: bool  # _BoundedPipeline's
@@ -394,25 +363,16 @@ class _BoundedPipeline(_SlowClientGuard):
     """The slow-client guard on uvicorn's httptools protocol, with at most
     ``MAX_PIPELINED`` requests waiting their turn on a connection.
 
-    uvicorn pauses reading when a request has to wait, but parses the rest of the
-    read it is in, and reads on after every answer while requests still wait: a
-    client sending requests faster than it reads answers grew the queue, and the
-    server, without bound. Here reading resumes only once no request waits. A request
-    past ``MAX_PIPELINED`` waiting ones is dropped unrun, as is every one after it: the
-    waiting ones are answered, and then the connection is ended without a reset
-    (``_lk_linger``).
-
-    A request that asks to close the connection ends it the same way, after its
-    answer, and so does an answer that closes it while bytes the client sent may be
-    unread (the rest of a body refused with a 413, requests waiting behind), unless
-    the server is stopping. An answer sent before its request's body has all arrived
-    (a 404 or 405 to a POST with a large body, a 503 at a limit) leaves the rest of
-    that body to the parser, which reads and drops it: those bytes are not a next
-    request's head (``_lk_head_may_follow``), and they must all have arrived within
-    the request timeout of the answer, or the connection is ended in the same way.
-    And it remembers the request that runs: when the connection is lost, uvicorn
-    tells only the request parsed last, and one still running behind waiting ones
-    wrote its answer to the closed connection (a traceback in the log).
+    uvicorn reads on after every answer while requests still wait, so a client that
+    sends requests faster than it reads answers grows the queue without bound. Here
+    reading resumes only once no request waits, and a request past ``MAX_PIPELINED``
+    waiting ones is dropped unrun, as is every one after it; the waiting ones are
+    answered, then the connection is ended without a reset (``_lk_linger``). So is
+    one whose answer closes it while the client's bytes may be unread (it asked to
+    close; the rest of a body refused with a 413; requests waiting), unless the server
+    is stopping. The rest of a body answered early (a 404 to a large POST) is read and
+    dropped, and must arrive within the request timeout. And the request that runs
+    is remembered: when the connection is lost, uvicorn tells only the one parsed last.
     """
 
     #: A request was dropped: none after it runs, and the connection ends once the

@@ -1,13 +1,9 @@
 """MCP over streamable HTTP: the ``/mcp`` route ``leasekeeper serve`` mounts beside the API.
 
-Stateless and with JSON responses: a tool call is one self-contained POST, so any
-instance behind a load balancer can answer it and no session state lives in the
-process. Tool calls are rate limited together with the HTTP routes' requests.
-
 The SDK (mcp 2.3) falls short of the API's rules in three ways, which ``_Gate`` and
-``_sdk_errors_as_json`` make up for: it waits for a body as long as the client likes
-(its size limit has no time limit), it reads JSON leniently (the last of a repeated
-name wins, ``NaN`` is a number), and it answers some refusals in plain text.
+``_sdk_errors_as_json`` make up for: it waits for a body as long as the client likes,
+it reads JSON leniently (the last of a repeated name wins, ``NaN`` is a number), and
+it answers some refusals in plain text.
 """
 
 from __future__ import annotations
@@ -65,14 +61,12 @@ def streamable_http_mount(
 ) -> StreamableHttpMount:
     """Streamable HTTP at ``path``, for ``create_app(extra_routes=..., lifespan_hooks=...)``.
 
-    Stateless, JSON responses (no SSE streams, no session ids), POST only (GET
-    and DELETE are 405 ``method_not_allowed`` like any other route). Request bodies
-    are capped at ``settings.max_body_bytes`` like the API's. When the server
-    listens on a loopback address, Host and Origin are checked against loopback
-    names, as the SDK does by default, against DNS rebinding from a browser.
-    Tool calls take from ``limits``: pass the ones the HTTP app has
-    (``create_app(limits=...)``) so that the two share one budget per address and
-    per namespace; by default the mount makes its own from ``settings``.
+    Stateless, JSON responses (no SSE streams, no session ids: any instance behind a
+    load balancer can answer a call), POST only. Request bodies are read as the API's
+    are. On a loopback address, Host and Origin are checked against loopback names,
+    against DNS rebinding from a browser. Tool calls take from ``limits``: pass the
+    HTTP app's (``create_app(limits=...)``) so that the two share one budget per
+    address and per namespace; by default the mount makes its own from ``settings``.
     """
     settings = settings or Settings()
     if limits is None:
@@ -108,21 +102,17 @@ def streamable_http_mount(
 
 
 class _Gate:
-    """What ``/mcp`` puts in front of the SDK's app: the body read as the API reads one
-    (``read_body``), then handed to the SDK whole.
+    """What ``/mcp`` puts in front of the SDK's app: the body read as the API reads one,
+    then handed to the SDK whole.
 
-    - The whole body must arrive within ``body_timeout`` seconds, or the answer is
-      the API's 408 and the connection is closed: the SDK waits for a body as long
-      as the client likes, so a few clients promising bodies they do not send would
-      hold every connection slot.
-    - A body over ``max_body`` bytes, or a ``Content-Length`` announcing one, gets
-      the API's 413 (the connection is closed: the rest is not read). Both are
-      JSON-RPC errors (-32600) whose data is the API's ``timeout`` or ``too_large``
-      body: an MCP client reads no other body at an error status.
-    - The body is read by the API's rules (``read_message``, as each line over stdio)
-      before the SDK reads it, and one refused gets its JSON-RPC error with HTTP 400,
-      as the SDK answers malformed JSON. So no message reaches the SDK that its own
-      validation would refuse, with an answer quoting the input (namespaces, owner
+    - A body not all there within ``body_timeout`` seconds, or over ``max_body`` bytes,
+      gets the API's 408 or 413 and the connection is closed, as a JSON-RPC error
+      (-32600) whose data is the API's body (an MCP client reads no other body at an
+      error status). Without the time limit, a few clients promising bodies they do
+      not send would hold every connection slot.
+    - A body the API's rules refuse (``read_message``, as each line over stdio) gets
+      its JSON-RPC error with HTTP 400, as the SDK answers malformed JSON; so none
+      reaches the SDK's validation, whose answers quote the input (namespaces, owner
       tokens). A byte-order mark is ignored, as before an API body.
     """
 
@@ -169,9 +159,8 @@ class _Gate:
 
 
 def _count_slow_body(scope: Scope) -> None:
-    """Count a body cut off at its deadline in ``leasekeeper_slow_clients_total{stage="body"}``,
-    as the API routes do: the metrics are the application's (``create_app`` keeps them in
-    ``app.state``, and Starlette puts itself in the scope); a mount outside one counts nothing."""
+    """Count a body cut off at its deadline, as the API routes do, in the metrics
+    ``create_app`` keeps in ``app.state`` (Starlette puts itself in the scope)."""
     metrics = getattr(getattr(scope.get("app"), "state", None), "metrics", None)
     if isinstance(metrics, Metrics):
         metrics.slow_clients.labels("body").inc()

@@ -85,13 +85,11 @@ async def serve_stdio(
 def _drop_unsendable_answers() -> None:
     """Collect now the SDK's stdout writer, whose peer has gone, without a second report.
 
-    The writer (a buffered file on a duplicate of fd 1) still holds the answer whose
-    flush met the closed pipe, and is garbage in a reference cycle (the BrokenPipeError's
-    traceback). Its finalizer flushes again and fails again; Python 3.13 reports that
-    through ``sys.unraisablehook`` (3.11 and 3.12 only in development mode), which
-    prints "Exception ignored in: <_io.BufferedWriter ...>" and the error to stderr:
-    lines that are not the log's JSON, about what the WARNING has said. That one error
-    is dropped here; any other is reported as before.
+    The writer still holds the answer whose flush met the closed pipe, in a reference
+    cycle (the error's traceback). Its finalizer flushes and fails again, which Python
+    3.13 (3.11 and 3.12 in development mode) prints to stderr through
+    ``sys.unraisablehook``: lines that are not the log's JSON, saying what the WARNING
+    said. That one error is dropped here; any other is reported.
     """
     report = sys.unraisablehook
 
