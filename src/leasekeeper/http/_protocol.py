@@ -392,13 +392,11 @@ class _BoundedPipeline(_SlowClientGuard):
     _lk_body_timer: asyncio.TimerHandle | None = None
     #: The server is stopping: a connection its answer ends is closed at once.
     _lk_stopping = False
-    #: A chunk's size line is parsed and none of its data yet: at the last chunk (size
-    #: 0), what follows is the trailer section, until that chunk completes.
+    #: A chunk's size line is parsed and none of its data yet: after the last chunk's
+    #: (size 0), the trailer section follows, until that chunk completes.
     _lk_chunk_bare = False
-    #: Bytes of the reads that went wholly to a chunked body's trailer section: bounded
-    #: as a head is (httptools gathers each field whole, and uvicorn keeps trailers
-    #: among the request's headers), where the body's bytes are not. The read in which
-    #: the section begins is not counted, as the read that ends a head is not.
+    #: Bytes of the reads that went wholly to a chunked body's trailer section, bounded
+    #: as a head is (uvicorn keeps trailers among the headers); not the read it begins in.
     _lk_trailer_bytes = 0
     #: The parser handed over body bytes in the read being parsed.
     _lk_body_seen = False
@@ -567,14 +565,17 @@ class _RequestTransport:
 
 class _AfterReplayedHead:
     """The callbacks of the parser that ``_IgnoredUpgrade`` gives a request's head
-    again: that head is dropped (its request has begun already), and everything
-    after it goes to the protocol."""
+    again: that head is dropped (its request has begun already), and everything after
+    it goes to the protocol (httptools looks each callback up by name, once)."""
 
     __slots__ = ("_in_head", "_protocol")
 
     def __init__(self, protocol: Any) -> None:
         self._protocol = protocol
         self._in_head = True
+
+    def __getattr__(self, name: str) -> Any:  # on_body, on_chunk_*, on_message_complete
+        return getattr(self._protocol, name)
 
     def on_message_begin(self) -> None:
         if not self._in_head:
@@ -593,18 +594,6 @@ class _AfterReplayedHead:
             self._in_head = False
         else:
             self._protocol.on_headers_complete()
-
-    def on_body(self, body: bytes) -> None:
-        self._protocol.on_body(body)
-
-    def on_chunk_header(self) -> None:
-        self._protocol.on_chunk_header()
-
-    def on_chunk_complete(self) -> None:
-        self._protocol.on_chunk_complete()
-
-    def on_message_complete(self) -> None:
-        self._protocol.on_message_complete()
 
 
 def guard_protocol(

@@ -465,14 +465,8 @@ def _version() -> str:
 
 
 def quiet_sdk_logs() -> None:
-    """Keep the MCP SDK's own loggers at WARNING or above. (Its refused Host and Origin
-    header values are kept out of its WARNING lines by ``_ValuesOut``, which the ``/mcp``
-    mount installs when it turns those checks on.)
-
-    At DEBUG the SDK logs stray frames and parse errors with their content,
-    which may hold tool arguments (namespaces, keys, owner tokens) that
-    leasekeeper's logs must never contain; its INFO lines are transport chatter.
-    A root level above WARNING still applies.
-    """
+    """Keep the MCP SDK's own loggers at WARNING or above (a root level above WARNING
+    still applies): at DEBUG the SDK logs frames whole, tool arguments (namespaces,
+    keys, owner tokens) included, and its INFO lines are transport chatter."""
     sdk = logging.getLogger("mcp")
     sdk.setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
