@@ -39,7 +39,8 @@ async def read_body(
                 raise PayloadTooLarge(f"Request body is larger than {max_body} bytes")
             break
     # The timer starts when a receive() first has to wait, before which no time has
-    # passed: a body that is already there (nearly every request) costs no timer.
+    # passed: a body that is already there (nearly every request) costs no timer
+    # (test_a_body_already_there_is_read_without_a_timer).
     deadline = None
     body = b""
     try:
@@ -82,12 +83,7 @@ def _larger_than(digits: bytes, limit: int) -> bool:
 
 class _Deadline:
     """Cancels the current task ``seconds`` from now unless stopped first: what
-    ``asyncio.timeout`` does, made only once a body has to be waited for.
-
-    ``stop()`` cancels the timer and undoes its own cancellation of the task
-    (``Task.uncancel``); it answers True only when the deadline expired and nobody
-    else asked to cancel the task, so that the ``CancelledError`` is the deadline's.
-    """
+    ``asyncio.timeout`` does, as an object ``read_body`` makes only when it must."""
 
     __slots__ = ("_cancelling", "_expired", "_handle", "_task")
 
@@ -107,8 +103,8 @@ class _Deadline:
         self._task.cancel()
 
     def stop(self) -> bool:
-        """Stop the timer (again: nothing); True if it had expired and its cancellation
-        is the only one."""
+        """Stop the timer, and undo its cancellation of the task (``Task.uncancel``);
+        True only when it had expired and nobody else asked to cancel the task."""
         handle = self._handle
         if handle is None:
             return False

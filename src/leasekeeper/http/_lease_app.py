@@ -30,15 +30,11 @@ class LeaseApp:
     The layer draws each request's id (``X-Request-Id``, and ``request_id`` in its
     log lines), serves a path with a trailing slash as the path without, adds the
     security headers, caps requests in flight, counts request metrics, sends
-    ``POST`` to a lease route straight to its ``LeaseEndpoint`` and everything else
-    to Starlette, and at DEBUG logs one line per request (method, route name,
-    status, time; never a path, body or header value). ``route_names`` maps each
-    path served to its name in metrics and logs (any other path is "other").
-
-    A plain ASGI wrapper rather than ``BaseHTTPMiddleware``, which would cost a
-    task and a stream per request on the hot path. A ``LeaseEndpoint`` is handed
-    the request id and sends its final header list itself; only Starlette's
-    responses go through a ``send`` wrapper that adds the headers.
+    ``POST`` to a lease route straight to its ``LeaseEndpoint`` (which sends its
+    headers itself) and everything else to Starlette, and at DEBUG logs one line per
+    request (method, route name, status, time; never a path, body or header value).
+    ``route_names`` maps each path served to its name (any other path is "other").
+    A plain ASGI wrapper: ``BaseHTTPMiddleware`` costs a task and a stream a request.
     """
 
     def __init__(

@@ -261,10 +261,9 @@ class _SlowClientGuard(_Uvicorn):
         self.transport.close()
 
     def _lk_head_too_large(self) -> None:
-        """A head past ``MAX_HEAD_BYTES``: the JSON 431, and the connection is closed.
-        While an answer is still being sent (a client that does not read its answers
-        holds one for the request timeout), nothing more is read, and the 431 follows
-        that answer (``on_response_complete``)."""
+        """A head past ``MAX_HEAD_BYTES``: the JSON 431, and the connection is closed;
+        while an answer is being sent, nothing more is read until it is, and then the
+        431 follows (``on_response_complete``)."""
         if not self._lk_waiting():
             self.flow.pause_reading()
             return
@@ -431,9 +430,8 @@ class _BoundedPipeline(_SlowClientGuard):
         self._lk_trailer_bytes = 0
 
     def _lk_trailers_too_large(self) -> None:
-        """Trailers past ``MAX_HEAD_BYTES``: nothing more is read. An answered request
-        (answered before its body had all arrived) ends the connection; a running one
-        gets its body's 408 at the request timeout, and then the connection ends."""
+        """Trailers past ``MAX_HEAD_BYTES``: nothing more is read. A request answered
+        early ends the connection; a running one gets its body's 408 in time."""
         if self._lk_body_timer is not None:
             self._lk_body_timer.cancel()
             self._lk_body_late()
@@ -519,24 +517,20 @@ class _BoundedPipeline(_SlowClientGuard):
         return running is not None and bool(running.more_body)
 
     def _lk_close(self) -> None:
-        """A request's transport is closed (its answer ends the connection, or the app
-        failed): without a reset when the client's bytes may be left unread (requests
-        after one that asked to close, the rest of a body, requests waiting), unless
-        the server is stopping (a linger would hold the stop up); otherwise at once."""
+        """A request's transport is closed: without a reset when the client's bytes may
+        be left unread, unless the server is stopping (a linger would hold the stop
+        up); otherwise at once."""
         if not self._lk_stopping and (self._lk_closing or self._lk_in_body or self.pipeline):
             self._lk_linger()
         else:
             self.transport.close()
 
     def _lk_linger(self) -> None:
-        """End the connection after the answers already written, without a reset.
-
-        Closing a socket with unread input makes the kernel reset the connection and
+        """End the connection after the answers already written, without a reset:
+        closing a socket with unread input makes the kernel reset the connection and
         throw away the answers not yet delivered. So the server ends its side
-        (``write_eof``: the answers, then end of stream), reads and drops what the
-        client still sends, and closes when the client does, or after the request
-        timeout.
-        """
+        (``write_eof``), reads and drops what the client still sends, and closes when
+        the client does, or after the request timeout."""
         if self._lk_lingering or self.transport.is_closing():
             return
         self._lk_lingering = True

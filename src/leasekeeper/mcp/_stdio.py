@@ -115,17 +115,14 @@ def _stopping() -> bool:
 
 class StrictStdin:
     """What the SDK's stdio transport reads instead of stdin: lines read as ``/mcp``
-    reads a body (``read_message``), and the ones refused answered here, never
-    handed on.
+    reads a body (``read_message``), the ones refused answered here, never handed on.
 
     The SDK reads a line of any length, with ``errors="replace"`` (two different
     malformed byte sequences become one key), keeps the last of a repeated name
     (``"key":"a","key":"b"`` takes a lease on ``b``) and answers nothing to a line it
-    cannot parse or validate, so its peer waits for ever. Here each refusal is answered
-    with the message's ``id`` where one can be read, so the peer's call fails at
-    once, and ``null`` otherwise, as JSON-RPC says. A line longer than ``max_bytes``
-    is the invalid-request error (-32600). Blank lines are skipped, and a byte-order
-    mark is ignored, as before an HTTP body.
+    cannot parse or validate. Here each refusal is answered, with the message's ``id``
+    where one can be read; a line longer than ``max_bytes`` is the invalid-request
+    error (-32600). Blank lines are skipped, and a byte-order mark is ignored.
     """
 
     def __init__(self, fd: int, max_bytes: int) -> None:
