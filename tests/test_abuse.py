@@ -14,6 +14,7 @@ import gc
 import ipaddress
 import json
 import random
+import re
 import select
 import socket
 import threading
@@ -31,12 +32,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from leasekeeper import LeaseService, Settings
+from leasekeeper._asgi import _larger_than
 from leasekeeper._limits import RateLimiter, client_address
 from leasekeeper.http import create_app
-from leasekeeper.http._app import _larger_than
-from leasekeeper.http._protocol import MAX_PIPELINED, guard_protocol
+from leasekeeper.http._protocol import (
+    MAX_PIPELINED,
+    guard_protocol,
+    missing_uvicorn_internals,
+    serve_connection_limit_with,
+)
 from leasekeeper.store import MemoryStore
 from tests._server import Server, free_port, running_server
 from tests.conftest import FakeMonotonic, metric
@@ -337,6 +344,45 @@ def test_the_body_deadline_is_the_request_timeout() -> None:
     assert asked == [1.0, 7.5, 3600]  # the part's wait, the deadline, the wait for more
 
 
+def test_a_body_already_there_is_read_without_a_timer() -> None:
+    """The body's deadline is a timer only once a receive() has to wait: a body that is
+    there when the request is (nearly every one) is read with none, which is what
+    ``read_body``'s ``_Deadline`` and ``_resume`` are for (asyncio.timeout would start
+    one per request)."""
+    app = create_app(
+        LeaseService(MemoryStore()), Settings(request_timeout_seconds=7.5), run_cleanup=False
+    )
+    body = b'{"key": "%s"}' % str(uuid.uuid4()).encode()
+    scope = {"type": "http", "method": "POST", "path": f"{BASE}/lease", "headers": []}
+    sent: list[dict[str, Any]] = []
+    asked: list[float] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        call_at, call_later = loop.call_at, loop.call_later
+
+        def at(when: float, callback: Any, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:
+            asked.append(when - loop.time())
+            return call_at(when, callback, *args, **kwargs)
+
+        def later(delay: float, callback: Any, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:
+            asked.append(delay)
+            return call_later(delay, callback, *args, **kwargs)
+
+        loop.call_at, loop.call_later = at, later  # type: ignore[method-assign]
+        await app({**scope, "client": ("127.0.0.1", 1)}, receive, send)
+
+    asyncio.run(run())
+    assert sent[0]["status"] == 201
+    assert not [delay for delay in asked if delay > 1], asked
+
+
 def test_a_body_that_arrives_in_time_is_served_in_process() -> None:
     """A body that has to be waited for, in one part or in several, is a normal request."""
     key = f'"{uuid.uuid4()}"}}'
@@ -584,6 +630,49 @@ def test_a_read_that_begins_the_trailers_is_not_counted_as_trailers() -> None:
     protocol.data_received(head + b"2\r\n{}\r\n0\r\nX-Trailer: 1\r\n")
     protocol.data_received(b"X-Trailer: 2\r\n")
     assert transport.paused == 0 and not transport.closed, transport.written[:300]
+
+
+@pytest.mark.parametrize(
+    "protocol_class", [HttpToolsProtocol, H11Protocol], ids=["httptools", "h11"]
+)
+def test_uvicorn_has_every_internal_the_protocol_guard_relies_on(protocol_class: Any) -> None:
+    """Every name of uvicorn's private API in ``UVICORN_INTERNALS`` is there, on a
+    protocol with a request begun: a uvicorn release that renames or drops one fails
+    here, and the assertion names it."""
+    from uvicorn.server import ServerState
+
+    class TaskLoop(RecordingLoop):
+        def create_task(self, coroutine: Any, **_: Any) -> Any:
+            coroutine.close()  # the app never runs: the request stays unanswered
+            return _UnrunTask()
+
+    config = uvicorn.Config(create_app(LeaseService(MemoryStore())), log_config=None)
+    config.load()
+    protocol = protocol_class(config, ServerState(), {}, TaskLoop())
+    protocol.connection_made(RecordingTransport())
+    protocol.data_received(
+        b"POST /services/v1/lease HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\n"
+    )
+    assert protocol.cycle is not None
+    missing = missing_uvicorn_internals(protocol)
+    assert not missing, f"uvicorn {uvicorn.__version__} lacks {', '.join(missing)}"
+
+
+def test_a_uvicorn_that_lacks_one_is_refused_at_start_up_with_its_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``serve`` fits uvicorn through ``guard_protocol`` and ``serve_connection_limit_with``:
+    on a uvicorn without a name they rely on, each refuses with that name."""
+    from uvicorn.protocols.http import httptools_impl
+
+    monkeypatch.delattr(httptools_impl.HttpToolsProtocol, "_start_asgi_task")
+    name = "uvicorn.protocols.http.httptools_impl.HttpToolsProtocol._start_asgi_task"
+    with pytest.raises(RuntimeError, match=re.escape(f"lacks {name},")):
+        guard_protocol(httptools_impl.HttpToolsProtocol, 5.0)
+    monkeypatch.delattr(httptools_impl, "service_unavailable")
+    name = "uvicorn.protocols.http.httptools_impl.service_unavailable"
+    with pytest.raises(RuntimeError, match=re.escape(f"lacks {name},")):
+        serve_connection_limit_with(create_app(LeaseService(MemoryStore())).at_connection_limit())
 
 
 @pytest.mark.slow

@@ -848,6 +848,45 @@ def test_the_sdks_loggers_are_held_at_warning_under_debug() -> None:
         sdk.setLevel(saved[1])
 
 
+@pytest.mark.anyio
+async def test_quiet_sdk_logs_keeps_out_the_frames_the_sdk_logs_whole_at_debug(
+    service: LeaseService, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Why ``quiet_sdk_logs``: at DEBUG, mcp 2.3 logs whole each frame past the eighth
+    that comes before a connection's first request, whatever it carries (here a
+    namespace). If this test finds the SDK no longer does, ``quiet_sdk_logs`` can go."""
+    from mcp.server.stdio import stdio_server
+
+    secret = "ns_" + "S" * 43
+    frame = {"jsonrpc": "2.0", "method": "notifications/x", "params": {"namespace": secret}}
+
+    class Stdout:
+        async def write(self, text: str) -> None: ...
+        async def flush(self) -> None: ...
+
+    async def serve() -> None:
+        async def lines() -> AsyncIterator[str]:
+            for _ in range(10):
+                yield json.dumps(frame) + "\n"
+
+        server = create_mcp_server(service)
+        async with stdio_server(stdin=lines(), stdout=Stdout()) as (read, write):  # type: ignore[arg-type]
+            await server.run(read, write, server.create_initialization_options())
+
+    sdk = logging.getLogger("mcp")
+    saved = sdk.level
+    caplog.set_level(logging.DEBUG)
+    try:
+        await serve()
+        assert secret in caplog.text, "the SDK no longer logs frames whole: drop quiet_sdk_logs"
+        caplog.clear()
+        leasekeeper.mcp.quiet_sdk_logs()
+        await serve()
+        assert secret not in caplog.text
+    finally:
+        sdk.setLevel(saved)
+
+
 @pytest.mark.parametrize("era", ERAS)
 def test_mcp_mints_past_the_burst_are_rate_limited_as_over_http(
     monotonic: FakeMonotonic, era: str
@@ -1534,16 +1573,16 @@ def test_the_id_of_a_line_too_long_is_read_from_its_start(
     start: bytes, request_id: int | str | None
 ) -> None:
     """Only where every member before it, and the id itself, are whole in the start."""
-    from leasekeeper.mcp._server import _id_from_start
+    from leasekeeper.mcp._jsonrpc import id_from_start
 
-    assert _id_from_start(start) == request_id
+    assert id_from_start(start) == request_id
 
 
 def test_stdio_lines_are_split_and_bounded_as_sent() -> None:
     """``_FdLines`` (stdin for ``leasekeeper mcp``): lines split across reads, a line of
     exactly the limit and one past it (dropped but for its start), a long line and a
     short one in one write, and a last line without its newline."""
-    from leasekeeper.mcp._server import _FdLines, _TooLong
+    from leasekeeper.mcp._stdio import _FdLines, _TooLong
 
     read_end, write_end = os.pipe()
     try:
@@ -1573,11 +1612,11 @@ def test_a_line_of_the_limit_whose_newline_comes_in_a_later_read_is_whole(
 ) -> None:
     """``_FdLines``: a line of exactly ``max_bytes`` whose newline is not in the first read
     (a pipe hands over what was written so far) is a line, not one too long."""
-    from leasekeeper.mcp import _server
+    from leasekeeper.mcp import _stdio
 
     reads = iter([b"x" * 10, b"\n", b""])
-    monkeypatch.setattr(_server, "os", SimpleNamespace(read=lambda fd, size: next(reads)))
-    lines = _server._FdLines(0, 10)
+    monkeypatch.setattr(_stdio, "os", SimpleNamespace(read=lambda fd, size: next(reads)))
+    lines = _stdio._FdLines(0, 10)
     assert lines.readline() == b"x" * 10 + b"\n"
     assert lines.readline() == b""
 
@@ -1587,7 +1626,7 @@ async def test_a_cancellation_naming_true_leaves_request_1_due() -> None:
     """``StrictStdin`` counts a request handed on as due until it is answered or cancelled
     (the end of stdin waits for it): a ``notifications/cancelled`` naming ``true`` is no
     cancellation of request 1, as ``true`` is no id; one naming ``1`` is."""
-    from leasekeeper.mcp._server import StrictStdin
+    from leasekeeper.mcp._stdio import StrictStdin
 
     stdin = StrictStdin(0, 100)  # nothing is read from the descriptor here
 

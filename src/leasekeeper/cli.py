@@ -9,7 +9,7 @@ import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import click
 import orjson
@@ -19,16 +19,19 @@ from leasekeeper._logging import configure_logging
 from leasekeeper._service import LeaseService
 from leasekeeper._settings import Settings, SettingsError, unknown_variables
 from leasekeeper.client.cli import CLIENT_COMMANDS
-from leasekeeper.http._protocol import guard_protocol
+from leasekeeper.http import (
+    LeaseApp,
+    create_app,
+    guard_protocol,
+    serve_connection_limit_with,
+    uvicorn_protocol,
+)
 from leasekeeper.store import (
     MAX_RAISED_FENCE,
     Durable,
     StoreURLError,
     open_store,
 )
-
-if TYPE_CHECKING:
-    from leasekeeper.http import LeaseApp
 
 __all__ = ["main", "serve_app"]
 
@@ -105,10 +108,11 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
     service = _service(settings)
     quiet_sdk_logs()
     app = serve_app(service, settings)
-    _json_connection_limit_responses(app)
+    # Past uvicorn's connection limit: the JSON 503 of the in-flight cap, counted.
+    serve_connection_limit_with(app.at_connection_limit())
     slow_headers = app.metrics.slow_clients.labels("headers")
     protocol = guard_protocol(
-        _http_protocol(), settings.request_timeout_seconds, on_timeout=slow_headers.inc
+        uvicorn_protocol(), settings.request_timeout_seconds, on_timeout=slow_headers.inc
     )
     log.info(
         "leasekeeper starting on http://%s:%d (store scheme %s)",
@@ -134,7 +138,6 @@ def serve_app(
     ``monotonic`` drives the rate limits (tests pass a fake).
     """
     from leasekeeper._limits import Limits
-    from leasekeeper.http import create_app
     from leasekeeper.mcp import streamable_http_mount
 
     limits = Limits.from_settings(settings, monotonic=monotonic)
@@ -155,10 +158,10 @@ def _tune_gc() -> None:
 
     Everything loaded by now (modules, schemas, the app) lives as long as the
     process: ``gc.freeze`` takes it out of every later collection, which would
-    otherwise scan it in full each time the oldest generation is collected (tens
-    of milliseconds, the whole of the p99 under load). Requests allocate many
-    short-lived containers; a larger first-generation threshold collects them
-    less often. Reference counting still frees almost everything at once.
+    otherwise scan it in full, a pause on every request in flight, each time the
+    oldest generation is collected. Requests allocate many short-lived containers;
+    a larger first-generation threshold collects them less often. Reference
+    counting still frees almost everything at once.
     """
     gc.collect()
     gc.freeze()
@@ -172,7 +175,7 @@ def uvicorn_options(
     """How ``serve`` runs uvicorn (beside host and port); the benchmark's reference app
     runs with the very same options, so the two are compared on one stack."""
     if protocol is None:
-        protocol = guard_protocol(_http_protocol(), settings.request_timeout_seconds)
+        protocol = guard_protocol(uvicorn_protocol(), settings.request_timeout_seconds)
     return {
         "loop": "uvloop" if _has("uvloop") else "asyncio",
         "http": protocol,
@@ -186,36 +189,10 @@ def uvicorn_options(
     }
 
 
-def _http_protocol() -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol when httptools is installed, else its h11 one."""
-    if _has("httptools"):
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-        return HttpToolsProtocol
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    return H11Protocol
-
-
 def _has(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is not None
-
-
-def _json_connection_limit_responses(app: LeaseApp) -> None:
-    """Make uvicorn's connection-limit refusal ``app``'s JSON 503, counted in its metrics.
-
-    uvicorn answers past ``limit_concurrency`` with a plain-text 503 from a module
-    global it looks up per request; we replace that global with our JSON responder.
-    """
-    responder = app.at_connection_limit()
-    for name in ("httptools_impl", "h11_impl"):
-        try:
-            module = __import__(f"uvicorn.protocols.http.{name}", fromlist=["service_unavailable"])
-        except ImportError:
-            continue
-        module.service_unavailable = responder  # type: ignore[attr-defined]
 
 
 @main.command("mcp")

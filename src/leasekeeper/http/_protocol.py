@@ -1,64 +1,157 @@
 """Slow and malformed clients, handled at the connection, below the ASGI app.
 
-uvicorn closes a connection that idles *between* requests (keep-alive), but it
-sets no bound on how long a client may take to send a request's headers: a client
-that connects and sends nothing, or trickles a header byte every few seconds,
-holds one of the ``LEASEKEEPER_MAX_CONNECTIONS`` slots for as long as it likes,
-and a thousand of them lock everybody out. ``guard_protocol`` subclasses
-uvicorn's HTTP protocol (the ``http=`` class uvicorn accepts) so that::
+uvicorn sets no bound on how long a client may take to send a request's headers, so
+clients trickling a header byte now and then could hold every connection slot.
+``guard_protocol`` subclasses uvicorn's HTTP protocol (the ``http=`` class it takes)::
 
     connect, or a request's first byte          headers complete
     |<----------- request_timeout ----------->|
                                               app reads the body (bounded in read_body)
                                               |<----------- request_timeout ---------->|
 
-headers not complete in time get a JSON ``408 timeout`` and the connection is
-closed. A request whose headers arrive in one packet (every normal client) never
-starts a timer. A client that stops reading its answers gets as long to take them:
-once the connection's send buffer is full, it must drain within ``request_timeout``,
-or the connection is dropped (a client that never reads would otherwise hold its
-slot for ever). A head that has not ended within ``MAX_HEAD_BYTES`` gets a JSON
-``431`` (status ``too_large``) and the connection is closed; one sent behind a request
-still being answered is read no further, and gets its 431 after that answer. A chunked
-body's trailer section is bounded by the same ``MAX_HEAD_BYTES``, and the rest of a body
-that was answered before it all arrived by ``request_timeout``. Malformed
-HTTP gets a JSON ``400 invalid`` instead of uvicorn's plain text, so every answer is a
-JSON object.
+- headers not complete in time get a JSON ``408 timeout``, and the connection is
+  closed; headers that arrive in one read (every normal client) start no timer;
+- a full send buffer must drain within ``request_timeout``, or the connection is dropped;
+- a head (or a chunked body's trailer section) past ``MAX_HEAD_BYTES`` gets a JSON
+  ``431``, after the answer being sent if any, and the connection is closed;
+- malformed HTTP gets a JSON ``400 invalid``, not uvicorn's plain text.
 
-On httptools, an offer to upgrade the connection that is not taken (``Upgrade:
-h2c``, which ``curl --http2``, Java's HttpClient and Ktor send on plain HTTP) is
-ignored, as RFC 9110 (section 7.8) lets a server do, and the request is served as
-HTTP/1.1 with its body (``_IgnoredUpgrade``). And at most ``MAX_PIPELINED`` requests
-may wait their turn on one connection (``_BoundedPipeline``): uvicorn read on while
-pipelined requests waited, so one connection sending requests without reading the
-answers grew the server by gigabytes.
+On httptools, an upgrade offer the server does not take (``Upgrade: h2c``, which
+``curl --http2`` and Java's HttpClient send) is ignored, as RFC 9110 section 7.8 allows
+(``_IgnoredUpgrade``), and at most ``MAX_PIPELINED`` requests wait on one connection
+(``_BoundedPipeline``). All of it relies on uvicorn's private API, as declared in
+``UVICORN_INTERNALS``, which the server checks at start-up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, cast
 
 import httptools
 import orjson
+from starlette.types import ASGIApp
 
 from leasekeeper._errors import HeadersTooLarge, InvalidRequest, LeaseError, RequestTimeout
 from leasekeeper.http._errors import status_code
 
-__all__ = ["MAX_HEAD_BYTES", "MAX_PIPELINED", "guard_protocol", "raw_error_response"]
+if TYPE_CHECKING:
+    # The mixins are typed as the protocol they are mixed into (at run time, objects).
+    from uvicorn._types import ASGI3Application
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _Uvicorn
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+else:
+    _Uvicorn = object
+
+__all__ = [
+    "MAX_HEAD_BYTES",
+    "MAX_PIPELINED",
+    "UVICORN_INTERNALS",
+    "guard_protocol",
+    "missing_uvicorn_internals",
+    "raw_error_response",
+    "serve_connection_limit_with",
+    "uvicorn_protocol",
+]
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
-#: Bytes of a request's head (request line and headers) past which, while the head
-#: has not ended, the request is refused: llhttp keeps no bound of its own, and
-#: uvicorn kept every header, so one connection sending endless headers grew the
-#: server by hundreds of MB.
+#: Bytes of a request's head past which, while it has not ended, the request is refused:
+#: llhttp keeps no bound of its own, and uvicorn keeps every header line it reads.
 MAX_HEAD_BYTES = 65_536
 #: Requests that may wait on one connection while an earlier one is answered (HTTP/1.1
 #: pipelining). A request past them, and every later one, is not run; those waiting are
 #: answered, then the connection is closed: every answered request ran, no other did.
 MAX_PIPELINED = 32
+
+
+@dataclass(frozen=True, slots=True)
+class _Relied:
+    """In one module of uvicorn.protocols.http: the protocol class ``guard_protocol``
+    subclasses; its methods that the guard overrides (uvicorn must call them) or calls;
+    the attributes it reads or sets on a protocol with a request begun, and on that
+    request's cycle (each a string of names)."""
+
+    protocol: str
+    methods: str
+    attributes: str
+    cycle: str
+
+
+#: uvicorn's private API that this module relies on; in each module, the global
+#: ``service_unavailable`` too (the app it runs past its connection limit, which
+#: ``serve_connection_limit_with`` replaces).
+UVICORN_INTERNALS: Final = {
+    "httptools_impl": _Relied(
+        "HttpToolsProtocol",
+        methods="on_response_complete send_400_response shutdown _start_asgi_task"
+        " _unset_keepalive_if_required _should_upgrade handle_websocket_upgrade"
+        " on_message_begin on_url on_header on_headers_complete on_body on_message_complete",
+        attributes="transport loop flow cycle pipeline parser logger scope headers url",
+        cycle="response_complete more_body message_event disconnected transport keep_alive",
+    ),
+    "h11_impl": _Relied(
+        "H11Protocol",
+        methods="on_response_complete send_400_response",
+        attributes="transport loop flow cycle",
+        cycle="response_complete more_body",
+    ),
+}
+
+
+def missing_uvicorn_internals(protocol: object) -> list[str]:
+    """What ``UVICORN_INTERNALS`` names and the installed uvicorn lacks, each named
+    where uvicorn had it: for a protocol class, its module's global and the class's
+    methods; for a protocol with a request begun, its attributes and its cycle's too."""
+    cls = protocol if isinstance(protocol, type) else type(protocol)
+    for name, relied in UVICORN_INTERNALS.items():
+        where = f"uvicorn.protocols.http.{name}"
+        if any(c.__module__ == where and c.__name__ == relied.protocol for c in cls.__mro__):
+            break
+    else:
+        return [f"{cls.__module__}.{cls.__name__} (not a protocol of uvicorn's named here)"]
+    missing = []
+    if not hasattr(importlib.import_module(where), "service_unavailable"):
+        missing.append(f"{where}.service_unavailable")
+    prefix = f"{where}.{relied.protocol}"
+    missing += [f"{prefix}.{m}" for m in relied.methods.split() if not hasattr(cls, m)]
+    if protocol is not cls:
+        missing += [
+            f"{prefix}().{a}" for a in relied.attributes.split() if not hasattr(protocol, a)
+        ]
+        cycle = getattr(protocol, "cycle", None)
+        missing += [f"{prefix}().cycle.{a}" for a in relied.cycle.split() if not hasattr(cycle, a)]
+    return missing
+
+
+def uvicorn_protocol() -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol (httptools is a dependency), for ``guard_protocol``."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    return HttpToolsProtocol
+
+
+def serve_connection_limit_with(app: ASGIApp) -> None:
+    """Make uvicorn answer past its connection limit (``limit_concurrency``) with ``app``
+    rather than its plain-text 503: uvicorn looks that app up per request, as a global
+    of its protocol's module (``service_unavailable``)."""
+    for name in UVICORN_INTERNALS:
+        module = importlib.import_module(f"uvicorn.protocols.http.{name}")
+        if not hasattr(module, "service_unavailable"):
+            raise RuntimeError(_refusal([f"{module.__name__}.service_unavailable"]))
+        module.service_unavailable = app  # type: ignore[attr-defined]
+
+
+def _refusal(missing: list[str]) -> str:
+    from uvicorn import __version__
+
+    return (
+        f"uvicorn {__version__} lacks {', '.join(missing)}, which leasekeeper's HTTP "
+        "protocol relies on: install the uvicorn series pyproject.toml names"
+    )
 
 
 def raw_error_response(error: LeaseError) -> bytes:
@@ -95,30 +188,25 @@ _TARGET_TOO_LARGE = raw_error_response(
 )
 
 
-class _SlowClientGuard:
-    """Mixed in before uvicorn's protocol class; see the module docstring."""
+class _SlowClientGuard(_Uvicorn):
+    """Mixed in before uvicorn's protocol class (either); see the module docstring."""
 
-    # Set by guard_protocol, and by uvicorn's protocol classes.
-    request_timeout: float
+    request_timeout: float  # set by guard_protocol
     on_timeout: Callable[[], None] | None
-    loop: asyncio.AbstractEventLoop
-    transport: asyncio.Transport
-    cycle: Any
-    flow: Any
     _lk_timer: asyncio.TimerHandle | None = None
     #: Set while the send buffer is full: the client must take its answers by then.
     _lk_write_timer: asyncio.TimerHandle | None = None
     #: Bytes received since the last request began, while its successor's head had not ended.
     _lk_head_bytes = 0
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        super().connection_made(transport)  # type: ignore[misc]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
         self._lk_arm()
 
     def data_received(self, data: bytes) -> None:
         waiting, before = self._lk_waiting(), self.cycle
         following = self._lk_head_may_follow(waiting)
-        super().data_received(data)  # type: ignore[misc]
+        super().data_received(data)
         if self.cycle is not before:  # headers complete: a request began
             self._lk_disarm()
             self._lk_head_bytes = 0
@@ -138,7 +226,7 @@ class _SlowClientGuard:
 
     def on_response_complete(self) -> None:
         before = self.cycle
-        super().on_response_complete()  # type: ignore[misc]
+        super().on_response_complete()
         if self.cycle is not before:  # h11 parsed a waiting head: a request began
             self._lk_head_bytes = 0
         elif self._lk_head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
@@ -149,10 +237,10 @@ class _SlowClientGuard:
         if self._lk_write_timer is not None:
             self._lk_write_timer.cancel()
             self._lk_write_timer = None
-        super().connection_lost(exc)  # type: ignore[misc]
+        super().connection_lost(exc)
 
     def pause_writing(self) -> None:
-        super().pause_writing()  # type: ignore[misc]
+        super().pause_writing()
         if self._lk_write_timer is None:
             self._lk_write_timer = self.loop.call_later(self.request_timeout, self._lk_drop)
 
@@ -160,7 +248,7 @@ class _SlowClientGuard:
         if self._lk_write_timer is not None:
             self._lk_write_timer.cancel()
             self._lk_write_timer = None
-        super().resume_writing()  # type: ignore[misc]
+        super().resume_writing()
 
     def _lk_drop(self) -> None:
         """The client took none of its answers in time: drop the connection and what
@@ -173,10 +261,9 @@ class _SlowClientGuard:
         self.transport.close()
 
     def _lk_head_too_large(self) -> None:
-        """A head past ``MAX_HEAD_BYTES``: the JSON 431, and the connection is closed.
-        While an answer is still being sent (a client that does not read its answers
-        holds one for the request timeout), nothing more is read, and the 431 follows
-        that answer (``on_response_complete``): uvicorn kept every header line it read."""
+        """A head past ``MAX_HEAD_BYTES``: the JSON 431, and the connection is closed;
+        while an answer is being sent, nothing more is read until it is, and then the
+        431 follows (``on_response_complete``)."""
         if not self._lk_waiting():
             self.flow.pause_reading()
             return
@@ -205,34 +292,23 @@ class _SlowClientGuard:
             self.transport.close()
 
 
-class _IgnoredUpgrade:
+class _IgnoredUpgrade(_Uvicorn):
     """Mixed in before uvicorn's httptools protocol: serves a request that offers an
     upgrade the server does not take as if it had not offered it, body included.
 
-    llhttp ends such a request at its headers and hands back every byte after them
-    as the new protocol's. uvicorn then logs "Unsupported upgrade request", runs the
-    app with an empty body, and feeds nothing more to the stopped parser: the body is
-    lost (a client's valid acquire got 400) and the connection hangs (uvicorn#2722).
-    Here a new parser is given the request's head again, without the offer, and then
-    those bytes: the body goes to the request already started, and what follows is
-    parsed as usual. Where a WebSocket library is installed (leasekeeper needs none),
-    a WebSocket upgrade still goes to uvicorn's; a ``CONNECT`` is left as uvicorn
-    leaves it (its target is refused with a 400 before this point is reached).
+    llhttp ends such a request at its headers, and uvicorn runs the app with an empty
+    body and feeds nothing more to the stopped parser: the body is lost and the
+    connection hangs (uvicorn#2722). Here a new parser is given the request's head
+    again, without the offer, and then the bytes after it. A WebSocket upgrade (where
+    a WebSocket library is installed) and a ``CONNECT`` are left to uvicorn.
     """
 
-    # uvicorn's HttpToolsProtocol's, used as it uses them.
-    parser: Any
-    cycle: Any
-    url: bytes
     _lk_in_body: bool  # _BoundedPipeline's
-    headers: list[tuple[bytes, bytes]]
-    scope: Any
-    logger: Any
 
     def data_received(self, data: bytes) -> None:
         # uvicorn's own, except for an upgrade it does not take (_lk_ignore_upgrade),
         # in a loop: one read may hold many requests that each offer one.
-        self._unset_keepalive_if_required()  # type: ignore[attr-defined]
+        self._unset_keepalive_if_required()
         unread = memoryview(data)
         while unread:
             try:
@@ -241,14 +317,14 @@ class _IgnoredUpgrade:
                 if len(getattr(self, "url", b"")) > _MAX_TARGET_BYTES:  # set per request
                     # uvicorn's parse_url failed in a callback: a head over MAX_HEAD_BYTES,
                     # refused as such rather than as malformed.
-                    self.transport.write(_TARGET_TOO_LARGE)  # type: ignore[attr-defined]
-                    self.transport.close()  # type: ignore[attr-defined]
+                    self.transport.write(_TARGET_TOO_LARGE)
+                    self.transport.close()
                     return
                 self.logger.warning("Invalid HTTP request received.")
-                self.send_400_response("Invalid HTTP request received.")  # type: ignore[attr-defined]
+                self.send_400_response("Invalid HTTP request received.")
             except httptools.HttpParserUpgrade as upgrade:
-                if self._should_upgrade():  # type: ignore[attr-defined]
-                    self.handle_websocket_upgrade()  # type: ignore[attr-defined]
+                if self._should_upgrade():
+                    self.handle_websocket_upgrade()
                 elif self.scope["method"] == "CONNECT":  # what follows is a tunnel's, not a body
                     self.logger.warning("Unsupported upgrade request.")
                 else:
@@ -282,70 +358,50 @@ class _IgnoredUpgrade:
         self.parser.feed_data(b"".join(head))  # no offer in it: never raises an upgrade
 
 
-class _BoundedPipeline:
-    """Mixed in first on uvicorn's httptools protocol: at most ``MAX_PIPELINED``
-    requests wait their turn on a connection (see the module docstring).
+class _BoundedPipeline(_SlowClientGuard):
+    """The slow-client guard on uvicorn's httptools protocol, with at most
+    ``MAX_PIPELINED`` requests waiting their turn on a connection.
 
-    uvicorn pauses reading when a request has to wait, but parses the rest of the
-    read it is in, and reads on after every answer while requests still wait: a
-    client that sends requests faster than it reads answers made the queue, and the
-    server, grow without bound (3 GB in 20 s from one connection). Here reading
-    resumes only once no request waits. A request past ``MAX_PIPELINED`` waiting
-    ones is dropped unrun, as is every one after it: the waiting ones are answered,
-    and then the connection is ended without a reset (``_lk_linger``).
-
-    A request that asks to close the connection ends it the same way, after its
-    answer, and so does an answer that closes it while bytes the client sent may be
-    unread (the rest of a body refused with a 413, requests waiting behind), unless
-    the server is stopping. An answer sent before its request's body has all arrived
-    (a 404 or 405 to a POST with a large body, a 503 at a limit) leaves the rest of
-    that body to the parser, which reads and drops it: those bytes are not a next
-    request's head (``_lk_head_may_follow``), and they must all have arrived within
-    the request timeout of the answer, or the connection is ended in the same way.
-    And it remembers the request that runs: when the connection is lost,
-    uvicorn tells only the request parsed last, so one still running behind waiting
-    ones wrote its answer to the closed connection (a traceback in the log per such
-    connection).
+    uvicorn reads on after every answer while requests still wait, so a client that
+    sends requests faster than it reads answers grows the queue without bound. Here
+    reading resumes only once no request waits, and a request past ``MAX_PIPELINED``
+    waiting ones is dropped unrun, as is every one after it; the waiting ones are
+    answered, then the connection is ended without a reset (``_lk_linger``). So is
+    one whose answer closes it while the client's bytes may be unread (it asked to
+    close; the rest of a body refused with a 413; requests waiting), unless the server
+    is stopping. The rest of a body answered early (a 404 to a large POST) is read and
+    dropped, and must arrive within the request timeout. And the request that runs
+    is remembered: when the connection is lost, uvicorn tells only the one parsed last.
     """
 
-    # uvicorn's HttpToolsProtocol's.
-    pipeline: Any
-    flow: Any
-    cycle: Any
-    loop: asyncio.AbstractEventLoop
-    transport: asyncio.Transport
-    request_timeout: float
     #: A request was dropped: none after it runs, and the connection ends once the
     #: requests already waiting are answered.
     _lk_overflowed = False
     #: The answers are all sent: what the client sends now is read and dropped.
     _lk_lingering = False
     #: The request whose application runs (uvicorn keeps only the last parsed).
-    _lk_running: Any = None
+    _lk_running: RequestResponseCycle | None = None
     #: A request asked to close the connection: it ends without a reset after that answer.
     _lk_closing = False
     #: Every request's transport on this connection (set in ``connection_made``).
-    _lk_request_transport: Any = None
+    _lk_request_transport: _RequestTransport | None = None
     #: The parser is inside a request's body, answered or not: those bytes are no head.
     _lk_in_body = False
     #: Set while the rest of the body of a request answered early is on its way.
     _lk_body_timer: asyncio.TimerHandle | None = None
-    _lk_timer: asyncio.TimerHandle | None  # _SlowClientGuard's header timer
     #: The server is stopping: a connection its answer ends is closed at once.
     _lk_stopping = False
-    #: A chunk's size line is parsed and none of its data yet: at the last chunk (size
-    #: 0), what follows is the trailer section, until that chunk completes.
+    #: A chunk's size line is parsed and none of its data yet: after the last chunk's
+    #: (size 0), the trailer section follows, until that chunk completes.
     _lk_chunk_bare = False
-    #: Bytes of the reads that went wholly to a chunked body's trailer section: bounded
-    #: as a head is (httptools gathers each field whole, and uvicorn keeps trailers
-    #: among the request's headers), where the body's bytes are not. The read in which
-    #: the section begins is not counted, as the read that ends a head is not.
+    #: Bytes of the reads that went wholly to a chunked body's trailer section, bounded
+    #: as a head is (uvicorn keeps trailers among the headers); not the read it begins in.
     _lk_trailer_bytes = 0
     #: The parser handed over body bytes in the read being parsed.
     _lk_body_seen = False
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        super().connection_made(transport)  # type: ignore[misc]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
         self._lk_request_transport = _RequestTransport(self)
 
     def data_received(self, data: bytes) -> None:
@@ -353,7 +409,7 @@ class _BoundedPipeline:
             return
         after_size_line = self._lk_chunk_bare
         self._lk_body_seen = False
-        super().data_received(data)  # type: ignore[misc]
+        super().data_received(data)
         if after_size_line and self._lk_chunk_bare and not self._lk_body_seen:
             # All of it after a chunk's size line and none of it data: the trailers.
             self._lk_trailer_bytes += len(data)
@@ -364,7 +420,7 @@ class _BoundedPipeline:
         self._lk_chunk_bare = False
         self._lk_trailer_bytes = 0
         self._lk_body_seen = True
-        super().on_body(body)  # type: ignore[misc]
+        super().on_body(body)
 
     def on_chunk_header(self) -> None:
         self._lk_chunk_bare = True
@@ -374,18 +430,17 @@ class _BoundedPipeline:
         self._lk_trailer_bytes = 0
 
     def _lk_trailers_too_large(self) -> None:
-        """Trailers past ``MAX_HEAD_BYTES``: nothing more is read. An answered request
-        (answered before its body had all arrived) ends the connection; a running one
-        gets its body's 408 at the request timeout, and then the connection ends."""
+        """Trailers past ``MAX_HEAD_BYTES``: nothing more is read. A request answered
+        early ends the connection; a running one gets its body's 408 in time."""
         if self._lk_body_timer is not None:
             self._lk_body_timer.cancel()
             self._lk_body_late()
         else:
             self.flow.pause_reading()
 
-    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
         self._lk_running = cycle
-        super()._start_asgi_task(cycle, app)  # type: ignore[misc]
+        super()._start_asgi_task(cycle, app)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lk_body_arrived()
@@ -398,18 +453,18 @@ class _BoundedPipeline:
         if running is not None and not running.response_complete:
             running.disconnected = True  # its answer is not written to a closed connection
             running.message_event.set()
-        super().connection_lost(exc)  # type: ignore[misc]
+        super().connection_lost(exc)
 
     def on_headers_complete(self) -> None:
         waiting = len(self.pipeline)
-        super().on_headers_complete()  # type: ignore[misc]
+        super().on_headers_complete()
         if len(self.pipeline) > waiting and (self._lk_overflowed or waiting >= MAX_PIPELINED):
             self._lk_overflowed = True
             self.pipeline.popleft()  # this one (uvicorn adds on the left): never run
         cycle = self.cycle
         if cycle is not None and cycle.transport is self.transport:  # a request began
             # uvicorn closes the request's transport when its answer ends the connection.
-            cycle.transport = self._lk_request_transport
+            cycle.transport = cast("asyncio.Transport", self._lk_request_transport)
             if not cycle.keep_alive:
                 # It asks to close the connection (HTTP/1.0, Connection: close): uvicorn
                 # closes once it is answered, maybe with later requests unread.
@@ -419,11 +474,11 @@ class _BoundedPipeline:
     def on_message_complete(self) -> None:
         answered = self._lk_body_timer is not None  # the rest of a body answered early
         self._lk_body_arrived()
-        super().on_message_complete()  # type: ignore[misc]
+        super().on_message_complete()
         if answered and self._lk_timer is None and not self.transport.is_closing():
             # The connection awaits its next request, whose head is on the clock from
             # now, as on a new connection: uvicorn's keep-alive timer went with the body.
-            self._lk_arm()  # type: ignore[attr-defined]
+            self._lk_arm()
 
     def _lk_head_may_follow(self, waiting: bool) -> bool:
         return not self._lk_in_body
@@ -440,7 +495,7 @@ class _BoundedPipeline:
 
     def shutdown(self) -> None:
         self._lk_stopping = True
-        super().shutdown()  # type: ignore[misc]
+        super().shutdown()
 
     def on_response_complete(self) -> None:
         if self._lk_lingering:  # the connection is ending: nothing more runs
@@ -452,7 +507,7 @@ class _BoundedPipeline:
             # Answered before its body had all arrived: the parser reads and drops the
             # rest, which must come within the request timeout.
             self._lk_body_timer = self.loop.call_later(self.request_timeout, self._lk_body_late)
-        super().on_response_complete()  # type: ignore[misc]
+        super().on_response_complete()
         if (self.pipeline or self._lk_overflowed) and not self.transport.is_closing():
             self.flow.pause_reading()  # uvicorn resumed: not while requests still wait
 
@@ -462,28 +517,24 @@ class _BoundedPipeline:
         return running is not None and bool(running.more_body)
 
     def _lk_close(self) -> None:
-        """A request's transport is closed (its answer ends the connection, or the app
-        failed): without a reset when the client's bytes may be left unread (requests
-        after one that asked to close, the rest of a body, requests waiting), unless
-        the server is stopping (a linger would hold the stop up); otherwise at once."""
+        """A request's transport is closed: without a reset when the client's bytes may
+        be left unread, unless the server is stopping (a linger would hold the stop
+        up); otherwise at once."""
         if not self._lk_stopping and (self._lk_closing or self._lk_in_body or self.pipeline):
             self._lk_linger()
         else:
             self.transport.close()
 
     def _lk_linger(self) -> None:
-        """End the connection after the answers already written, without a reset.
-
-        Closing a socket with unread input makes the kernel reset the connection and
+        """End the connection after the answers already written, without a reset:
+        closing a socket with unread input makes the kernel reset the connection and
         throw away the answers not yet delivered. So the server ends its side
-        (``write_eof``: the answers, then end of stream), reads and drops what the
-        client still sends, and closes when the client does, or after the request
-        timeout.
-        """
+        (``write_eof``), reads and drops what the client still sends, and closes when
+        the client does, or after the request timeout."""
         if self._lk_lingering or self.transport.is_closing():
             return
         self._lk_lingering = True
-        self._lk_disarm()  # type: ignore[attr-defined]  # no 408 after the end of stream
+        self._lk_disarm()  # no 408 after the end of stream
         if not self.transport.can_write_eof():
             self.transport.close()
             return
@@ -500,7 +551,7 @@ class _RequestTransport:
 
     __slots__ = ("close", "is_closing", "write")
 
-    def __init__(self, protocol: Any) -> None:
+    def __init__(self, protocol: _BoundedPipeline) -> None:
         self.write = protocol.transport.write
         self.is_closing = protocol.transport.is_closing
         self.close = protocol._lk_close
@@ -508,14 +559,17 @@ class _RequestTransport:
 
 class _AfterReplayedHead:
     """The callbacks of the parser that ``_IgnoredUpgrade`` gives a request's head
-    again: that head is dropped (its request has begun already), and everything
-    after it goes to the protocol."""
+    again: that head is dropped (its request has begun already), and everything after
+    it goes to the protocol (httptools looks each callback up by name, once)."""
 
     __slots__ = ("_in_head", "_protocol")
 
     def __init__(self, protocol: Any) -> None:
         self._protocol = protocol
         self._in_head = True
+
+    def __getattr__(self, name: str) -> Any:  # on_body, on_chunk_*, on_message_complete
+        return getattr(self._protocol, name)
 
     def on_message_begin(self) -> None:
         if not self._in_head:
@@ -535,18 +589,6 @@ class _AfterReplayedHead:
         else:
             self._protocol.on_headers_complete()
 
-    def on_body(self, body: bytes) -> None:
-        self._protocol.on_body(body)
-
-    def on_chunk_header(self) -> None:
-        self._protocol.on_chunk_header()
-
-    def on_chunk_complete(self) -> None:
-        self._protocol.on_chunk_complete()
-
-    def on_message_complete(self) -> None:
-        self._protocol.on_message_complete()
-
 
 def guard_protocol(
     base: type[asyncio.Protocol],
@@ -555,11 +597,18 @@ def guard_protocol(
 ) -> type[asyncio.Protocol]:
     """``base`` (uvicorn's httptools or h11 protocol) with the slow-client guard, and on
     httptools with upgrade offers ignored and the pipeline bounded (h11 does both
-    itself: it ignores offers, and parses no request before the last is answered)."""
+    itself: it ignores offers, and parses no request before the last is answered).
+
+    Raises ``RuntimeError`` naming what the installed uvicorn lacks of
+    ``UVICORN_INTERNALS``.
+    """
+    missing = missing_uvicorn_internals(base)
+    if missing:
+        raise RuntimeError(_refusal(missing))
     hook = staticmethod(on_timeout) if on_timeout is not None else None
     namespace = {"request_timeout": request_timeout, "on_timeout": hook}
     mixins: tuple[type, ...] = (_SlowClientGuard,)
     if hasattr(base, "on_headers_complete"):  # httptools' callbacks: uvicorn's httptools protocol
-        mixins = (_BoundedPipeline, *mixins, _IgnoredUpgrade)
+        mixins = (_BoundedPipeline, _IgnoredUpgrade)
     guarded: type[asyncio.Protocol] = type(f"Guarded{base.__name__}", (*mixins, base), namespace)
     return guarded

@@ -6,18 +6,17 @@ gives the routes and lifespan hooks that ``leasekeeper.http.create_app`` mounts
 at ``/mcp``; ``serve_stdio`` serves it over stdin/stdout (``leasekeeper mcp``).
 """
 
+from leasekeeper.mcp._http import StreamableHttpMount, streamable_http_mount
 from leasekeeper.mcp._server import (
     INSTRUCTIONS,
     MCP_PATH,
     TOOL_OPERATIONS,
-    StreamableHttpMount,
     call_lease_tool,
     create_mcp_server,
     lease_tools,
     quiet_sdk_logs,
-    serve_stdio,
-    streamable_http_mount,
 )
+from leasekeeper.mcp._stdio import serve_stdio
 
 __all__ = [
     "INSTRUCTIONS",
