@@ -188,8 +188,8 @@ def test_the_refusal_names_the_estimate_and_how_to_make_a_good_key() -> None:
         validation.check_bare_key(key)
     message = refused.value.error
     shown = int(guessing_bits(key) * 10) / 10
-    assert f"estimated at {shown:.1f} bits; at least 100 needed" in message
-    assert "words, names, dates" in message
+    assert f"this one is estimated at {shown:.1f} bits)" in message
+    assert "at least 100 bits of entropy, where words, names, dates" in message
     assert "uuid.uuid4()" in message and "secrets.token_urlsafe(32)" in message
     assert "mint a namespace" in message
     assert key not in message and "john" not in message

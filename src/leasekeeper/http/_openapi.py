@@ -228,8 +228,8 @@ def _operation(
 
 
 # The key's rule depends on the namespace: readable keys inside one, random ones without.
-# The entropy part of the second rule (at least 100 bits by the key's own character
-# frequencies) has no JSON Schema form; the description states it.
+# The entropy part of the second rule (at least 100 bits of estimated guessing entropy,
+# _core/keyguess.py) has no JSON Schema form; the description states it.
 # Patterns that forbid characters are written as "contains none of" (``not`` a search):
 # an anchored ``^[...]*$`` would let a trailing newline through in Python's re.
 _NAMESPACED_KEY = {
