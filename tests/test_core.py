@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import leasekeeper._core
 from leasekeeper import FakeClock, InvalidRequest, PayloadTooLarge
-from leasekeeper._core import rules, secrets, times, validation
+from leasekeeper._core import keyguess, rules, secrets, times, validation
 from leasekeeper._core.model import (
     Acquire,
     Complete,
@@ -246,7 +246,7 @@ class TestKeys:
     ) -> None:
         """The message gives the estimate rounded down to a tenth: 99.96 bits is not "100.0"
         beside "at least 100"."""
-        monkeypatch.setattr(validation, "guessing_bits", lambda key: 99.96)
+        monkeypatch.setattr(validation, "estimate_below", lambda key, bits: 99.96)
         with pytest.raises(InvalidRequest) as caught:
             validation.check_bare_key("k" * 32)
         assert "at least 100 bits of entropy" in caught.value.error
@@ -286,7 +286,7 @@ class TestKeys:
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """The rule is "at least 100 bits": an estimate of exactly 100.0 is accepted."""
-        monkeypatch.setattr(validation, "guessing_bits", lambda key: 100.0)
+        monkeypatch.setattr(keyguess, "guessing_bits", lambda key: 100.0)
         validation.check_bare_key("k" * 32)
 
     @pytest.mark.parametrize("key", ["a\x7fb", "a\x85b", "a\x9fb"])

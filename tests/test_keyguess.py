@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from leasekeeper import InvalidRequest
 from leasekeeper._core import validation
-from leasekeeper._core.keyguess import READABLE_CAP_BITS, guessing_bits
+from leasekeeper._core.keyguess import READABLE_CAP_BITS, estimate_below, guessing_bits
 
 ENOUGH = validation.MIN_BARE_KEY_BITS
 WORDS = (
@@ -150,7 +150,7 @@ def phrases(draw: st.DrawFn) -> str:
     return key
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(phrases())
 def test_a_key_made_of_listed_words_never_passes(key: str) -> None:
     """However many words and whichever separator: readable parts add at most
@@ -212,3 +212,33 @@ def test_the_word_list_is_lowercase_words_of_three_letters_or_more() -> None:
     assert WORDS[:3] == ["key", "job", "task"]
     header = files("leasekeeper._core").joinpath("keyguess_words.txt").read_text("ascii")
     assert "zxcvbn" in header.partition("\n\n")[0] and "MIT" in header.partition("\n\n")[0]
+
+
+def _keys_to_compare() -> list[str]:
+    rng = random.Random("leasekeeper-agree")
+    keys = [make(i) for make in _kinds(rng).values() for i in range(1_000)]
+    keys += READABLE
+    for prefix in ("invoice-", "job_", "2026-09-05-", "order:0000", ""):
+        keys += [prefix + rng.randbytes(rng.randint(4, 24)).hex() for _ in range(200)]
+    return keys
+
+
+def test_the_quick_answer_is_the_estimates_answer() -> None:
+    """estimate_below gives the estimate when it is below the bar and None when it is
+    not, exactly as comparing guessing_bits would: over random keys of each kind, the
+    readable keys above, and readable prefixes before random parts of every length."""
+    for key in _keys_to_compare():
+        estimate = guessing_bits(key)
+        for bits in (60.0, ENOUGH, 140.0):
+            assert estimate_below(key, bits) == (estimate if estimate < bits else None), key
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=1, max_size=200),
+    st.sampled_from([40.0, ENOUGH, 160.0]),
+)
+def test_the_quick_answer_agrees_on_any_printable_text(key: str, bits: float) -> None:
+    """Whatever the text, the quick answer and the estimate agree."""
+    estimate = guessing_bits(key)
+    assert estimate_below(key, bits) == (estimate if estimate < bits else None)

@@ -29,10 +29,12 @@ Two departures from zxcvbn, both for this decision:
   digits make a date too often (most four-digit groups of a uuid4 are one), so they are
   charged what zxcvbn charges them in both covers.
 
-Pure and deterministic: the word list is read once, at import. The matchers run on
-whole-key operations (translations, big-integer differences, one regular expression
-each) and look at single positions only where those found something: the estimate sits
-on the path of every request with a key outside a namespace.
+Pure and deterministic: the word list is read once, at import. The estimate sits on the
+path of every request with a key outside a namespace, so the matchers run on whole-key
+operations (translations, big-integer differences, one regular expression each) and
+look at single positions only where those found something; and ``estimate_below``,
+which the key rule uses, first tries a bound that settles most random keys without
+weighing any part.
 """
 
 from __future__ import annotations
@@ -43,9 +45,9 @@ from bisect import bisect_right
 from collections.abc import Callable
 from functools import lru_cache
 from importlib.resources import files
-from operator import itemgetter, le
+from operator import itemgetter, le, ne
 
-__all__ = ["READABLE_CAP_BITS", "guessing_bits"]
+__all__ = ["READABLE_CAP_BITS", "estimate_below", "guessing_bits"]
 
 #: The most that the readable parts of a key add to its estimate, however many.
 READABLE_CAP_BITS = 50.0
@@ -93,7 +95,9 @@ def _load_words() -> tuple[dict[str, int], frozenset[str], int]:
 
 
 _WORDS, _WORD_STARTS, _LONGEST_WORD = _load_words()
-_LETTER_RUN = re.compile(r"[a-z]{3,}")
+#: Three letters or more (written out, not [a-z]{3,}: a pattern that starts with a set
+#: lets the regular expression engine skip to where it can match).
+_LETTER_RUN = re.compile(r"[a-z][a-z][a-z]+")
 
 
 def _case_bits(token: str) -> tuple[float, bool]:
@@ -111,36 +115,51 @@ def _case_bits(token: str) -> tuple[float, bool]:
 # --- differences between neighbours ---------------------------------------------------
 #
 # Sequences, runs of one character and keyboard walks are found in the differences
-# between neighbouring characters' codes, all taken at once: the codes as 16-bit lanes
-# of one integer, that integer shifted by one lane, 256 added to every lane so that no
-# lane borrows from the next. Lane i of the result is 256 + code[i + 1] - code[i], read
-# back as the character of that number.
+# between neighbouring characters' codes, all taken at once: the codes as the bytes of
+# one integer, that integer shifted by one byte, 128 added to every byte so that no byte
+# borrows from the next (codes are ASCII, below 128). Byte i of the result is
+# 128 + code[i + 1] - code[i].
 
-_LANE_OFFSETS: dict[int, tuple[int, int]] = {}
+_OFFSETS: dict[int, tuple[int, int]] = {}
 
 
-def _lane_offsets(lanes: int) -> tuple[int, int]:
-    """(256 in each of ``lanes`` 16-bit lanes, a mask of those lanes)."""
-    known = _LANE_OFFSETS.get(lanes)
+def _offsets(lanes: int) -> tuple[int, int]:
+    """(128 in each of ``lanes`` bytes, a mask of those bytes)."""
+    known = _OFFSETS.get(lanes)
     if known is None:
-        mask = (1 << (16 * lanes)) - 1
-        known = _LANE_OFFSETS[lanes] = (mask // 0xFFFF * 0x100, mask)
+        mask = (1 << (8 * lanes)) - 1
+        known = (mask // 0xFF * 0x80, mask)
+        if lanes < 256:  # every key's length, and no more
+            _OFFSETS[lanes] = known
     return known
 
 
-def _differences(codes: bytes) -> str:
-    """chr(256 + codes[i + 1] - codes[i]) for every i."""
+def _differences(codes: bytes) -> bytes:
+    """128 + codes[i + 1] - codes[i] for every i, ``codes`` being 7-bit."""
     lanes = len(codes) - 1
-    offsets, mask = _lane_offsets(lanes)
-    wide = int.from_bytes(codes.decode("latin-1").encode("utf-16-le"), "little")
-    moved = (wide >> 16) + offsets - (wide & mask)
-    return moved.to_bytes(2 * lanes, "little").decode("utf-16-le")
+    offsets, mask = _offsets(lanes)
+    number = int.from_bytes(codes, "little")
+    return ((number >> 8) + offsets - (number & mask)).to_bytes(lanes, "little")
 
 
-_SAME = "\u0100"  # a difference of 0: the same character again
-#: One apart three times in a row, or 2 to 5 apart four times (zxcvbn's 5 at most).
-_SEQUENCE = re.compile("([\u00ff\u0101])\\1+|([\u00fb-\u00fe\u0102-\u0105])\\2\\2+")
-_RUN = re.compile(f"{_SAME}{_SAME}+")
+_SAME = 128  # a difference of 0: the same character again
+#: A key's code is 32 * row + 2 * column + its row's start + 1 (below 128), so that a
+#: neighbour's code differs by 2 (left, right) or 32 +- 1 (the rows above and below);
+#: 0 is no key. The six differences, in zxcvbn's order of directions.
+_DIRECTIONS = {-2: 0, -33: 1, -31: 2, 2: 3, 33: 4, 31: 5}
+_STEP_SIZES = (1, -1, 2, -2, 3, -3, 4, -4, 5, -5)
+#: In the differences of the key's codes, each alternative led by one byte so that the
+#: engine skips to where one can start: one apart three times in a row, or 2 to 5 apart
+#: four times (zxcvbn's sequences, 5 apart at most); the same character three times.
+_STEPS = re.compile(
+    b"|".join(
+        [re.escape(bytes([128 + d])) * (2 if abs(d) == 1 else 3) + b"+" for d in _STEP_SIZES]
+        + [re.escape(bytes([_SAME])) * 2 + b"+"]
+    )
+)
+#: In the differences of the key's keys' codes: three steps to a neighbouring key in a
+#: row, a walk over four keys at least.
+_WALK = re.compile(b"[" + re.escape(bytes(128 + d for d in _DIRECTIONS)) + b"]{3,}")
 
 
 def _sequence_bits(token: str, descending: bool) -> float:
@@ -159,14 +178,10 @@ _QWERTY_ROWS = (
 )
 #: Where each row starts, in half key widths: "q" sits between "1" and "2".
 _ROW_STARTS = (0, 3, 4, 5)
-#: A key's code is 64 * row + 2 * column + its row's start + 1, so that a neighbour's
-#: code differs by 2 (left, right) or 64 +- 1 (the rows above and below); 0 is no key.
-#: The six differences, in zxcvbn's order of directions.
-_DIRECTIONS = {-2: 0, -65: 1, -63: 2, 2: 3, 65: 4, 63: 5}
 _KEY_CODES = bytes(
     next(
         (
-            64 * row + 2 * column + _ROW_STARTS[row] + 1
+            32 * row + 2 * column + _ROW_STARTS[row] + 1
             for row, keys in enumerate(_QWERTY_ROWS)
             for column, key in enumerate(keys)
             if chr(c) in key
@@ -176,12 +191,10 @@ _KEY_CODES = bytes(
     for c in range(256)
 )
 _SHIFTED = frozenset(key[1] for row in _QWERTY_ROWS for key in row)
-#: Three steps to a neighbour in a row: a walk over four keys at least.
-_WALK = re.compile("[" + "".join(chr(256 + d) for d in _DIRECTIONS) + "]{3,}")
 _KEY_STARTS = 2 * sum(map(len, _QWERTY_ROWS))  # every character, shifted or not
 #: How many neighbours a key has, on average over the keyboard.
 _KEY_DEGREE = sum(
-    abs(_KEY_CODES[ord(a[0])] - _KEY_CODES[ord(b[0])]) in (2, 63, 65)
+    abs(_KEY_CODES[ord(a[0])] - _KEY_CODES[ord(b[0])]) in (2, 31, 33)
     for keys in _QWERTY_ROWS
     for a in keys
     for row in _QWERTY_ROWS
@@ -206,8 +219,7 @@ def _walk_bits(token: str, turns: int) -> float:
 
 # --- repeats --------------------------------------------------------------------------
 
-#: Two to four characters, then the same again: ``abab``, ``abcabc``, ``a1b2a1b2``.
-_REPEAT = re.compile(r"(..)\1|(...)\2|(....)\3", re.DOTALL)
+_ZEROS = {size: bytes(size) for size in (2, 3, 4)}
 
 
 # --- dates, years, numbers ------------------------------------------------------------
@@ -227,8 +239,9 @@ _DATE_SPLITS = {
     8: ((2, 4), (4, 6)),
 }
 _LOG2_DAYS = math.log2(365)
-#: Digits with neither a letter nor a digit on either side.
-_DIGITS = re.compile(r"(?<![0-9A-Za-z])[0-9]{2,}(?![A-Za-z])")
+#: In a key's shape after a "-": two digits or more with a separator or a symbol (or
+#: the key's end) on either side.
+_ALONE_DIGITS = re.compile(r"[-!]0{2,}(?![0aA])")
 _SEPARATED_DATE = re.compile(r"([0-9]{1,4})([-/\\_.])([0-9]{1,2})\2([0-9]{1,4})")
 #: At least three zeros and the digits after them: a zero-padded counter.
 _COUNTER = re.compile(r"0{3,}[0-9]*")
@@ -283,6 +296,68 @@ def guessing_bits(key: str) -> float:
     """log2 of the guesses ``key`` would take, readable parts counting for little."""
     full, free = _estimate(key)
     return max(0.0, min(full, READABLE_CAP_BITS + free))
+
+
+def estimate_below(key: str, bits: float) -> float | None:
+    """``guessing_bits(key)`` if that is below ``bits``, else None: the same answer as
+    comparing the two, at a fraction of the cost for most random keys (see
+    ``_surely_at_least``)."""
+    if _surely_at_least(key, bits):
+        return None
+    estimate = guessing_bits(key)
+    return estimate if estimate < bits else None
+
+
+def _surely_at_least(key: str, bits: float) -> bool:
+    """True only if every cover of ``key`` costs ``bits`` or more: the brute force of the
+    whole key less that of every character a part could cover (letters of a word,
+    digits standing alone, sequences, runs and keyboard walks) is enough. False where
+    that bound is not enough or a rarer part (a repeat, a counter, a date with
+    separators) is there: then the estimate decides."""
+    n = len(key)
+    if n < 8 or not key.isascii() or "000" in key:
+        return False
+    shape = key.translate(_SHAPE)
+    if "-0-" in shape or "-00-" in shape:
+        return False
+    if (key + key).find(key, 1) < n:
+        return False
+    alphabet = 26 * ("a" in shape) + 26 * ("A" in shape) + 10 * ("0" in shape)
+    char_bits = _ALPHABET_BITS[alphabet] if alphabet else _SYMBOL_BITS
+    separators = shape.count("-")
+    others = shape.count("!")
+    brute_free = (n - separators - others) * char_bits + others * _SYMBOL_BITS
+    brute_full = brute_free + separators * _SEPARATOR_BITS
+    # What one covered character saves at most: its brute force.
+    most = max(char_bits, _SYMBOL_BITS)
+    # Enough even if this many characters saved all of it:
+    spare = min(brute_full - bits, READABLE_CAP_BITS + brute_free - bits) / most
+    if spare < 0:
+        return False
+    codes = key.encode("ascii")
+    covered = _repeated(key, codes)
+    if alphabet >= 26:
+        low = key.lower()
+        for run in _LETTER_RUN.finditer(low):
+            letters_end = run.end()
+            reach = 0  # the end of the words counted so far
+            for i in range(run.start(), letters_end - 2):
+                if low[i : i + 3] not in _WORD_STARTS:
+                    continue
+                for j in range(min(letters_end, i + _LONGEST_WORD), max(i + 2, reach), -1):
+                    if low[i:j] in _WORDS:
+                        covered += j - max(i, reach)
+                        reach = j
+                        break
+            if covered > spare:
+                return False
+    if alphabet in (10, 36, 62):
+        covered += sum(map(len, _ALONE_DIGITS.findall("-" + shape)))
+    # A run of k differences spans k + 1 characters.
+    runs = _STEPS.findall(_differences(codes)) + _WALK.findall(
+        _differences(codes.translate(_KEY_CODES))
+    )
+    return covered + sum(map(len, runs)) + len(runs) <= spare
 
 
 #: A part of a key: (end, start, bits saved against brute force, bits saved when
@@ -341,42 +416,31 @@ def _estimate(key: str) -> tuple[float, float]:
                         add(i, j, math.log2(rank) + case, readable)
 
     codes = key.encode("ascii")
-    # The key's codes, a 0 lane, the codes of its keys on the keyboard: one subtraction.
-    both = _differences(codes + b"\0" + codes.translate(_KEY_CODES))
-    steps = both[: n - 1]
-    moves = both[n + 1 :]
-    # A sequence that turns back ("...xyzyx...") shares its turning character with the
-    # next one: each is also offered without its first character.
-    for run in _SEQUENCE.finditer(steps):
-        start, last = run.span()
+    steps = _differences(codes)
+    for step in _STEPS.finditer(steps):
+        start, last = step.span()
+        first = steps[start]
+        if first == _SAME:
+            add(start, last + 1, char_bits + math.log2(last + 1 - start), True)
+            continue
+        # A sequence that turns back ("...xyzyx...") shares its turning character with
+        # the next one: each is also offered without its first character.
         token = key[start : last + 1]
-        descending = steps[start] < _SAME
+        descending = first < _SAME
         add(start, last + 1, _sequence_bits(token, descending), True)
         if last - start >= 3:
             add(start + 1, last + 1, _sequence_bits(token[1:], descending), True)
-    if _SAME + _SAME in steps:
-        for run in _RUN.finditer(steps):
-            start, last = run.span()
-            add(start, last + 1, char_bits + math.log2(last + 1 - start), True)
-
+    moves = _differences(codes.translate(_KEY_CODES))
     for walk in _WALK.finditer(moves):
         start, last = walk.span()
-        token = key[start : last + 1]
-        turns = 1
-        for k in range(start + 1, last):
-            turns += moves[k] != moves[k - 1]
-        add(start, last + 1, _walk_bits(token, turns), True)
+        turns = 1 + sum(map(ne, moves[start + 1 : last], moves[start : last - 1]))
+        add(start, last + 1, _walk_bits(key[start : last + 1], turns), True)
 
     # The whole key as one part said again and again: its shortest period.
     period = (key + key).find(key, 1)
     if period < n and n % period == 0:
         _repeat(key, 0, period, n, parts, cost)
-    for repeat in _REPEAT.finditer(key):
-        start = repeat.start()
-        size = len(repeat.group(repeat.lastindex or 0))
-        end = start + size
-        while key.startswith(key[start:end], end):
-            end += size
+    for start, size, end in _short_repeats(key, codes):
         _repeat(key, start, size, end, parts, cost)
 
     if alphabet in (10, 36, 62):
@@ -394,6 +458,35 @@ def _estimate(key: str) -> tuple[float, float]:
     return brute_full - _best_saving(parts, 2), brute_free - _best_saving(parts, 3)
 
 
+#: Repeated parts are short and few ("==", "ab", "0"): their estimates are kept.
+_estimate_part = lru_cache(maxsize=4_096)(_estimate)
+
+
+def _short_repeats(key: str, codes: bytes) -> list[tuple[int, int, int]]:
+    """(start, size, end) for each part of 2 to 4 characters said again at once, and
+    again while it lasts: ``abab``, ``abcabc``, ``a1b2a1b2``. Found where
+    codes[i + size] == codes[i] for ``size`` positions in a row."""
+    found = []
+    n = len(codes)
+    number = int.from_bytes(codes, "little")
+    for size in (2, 3, 4):
+        same = ((number >> (8 * size)) ^ number).to_bytes(n, "little")
+        at = same.find(_ZEROS[size])
+        while at >= 0:
+            end = at + 2 * size
+            while key.startswith(key[at : at + size], end):
+                end += size
+            found.append((at, size, end))
+            at = same.find(_ZEROS[size], end - size + 1)
+    return found
+
+
+def _repeated(key: str, codes: bytes) -> int:
+    """How many characters the short repeats of ``key`` cover (a character in two of them
+    counted twice: more is safe where this is used)."""
+    return sum(end - start for start, _, end in _short_repeats(key, codes))
+
+
 def _repeat(
     key: str,
     start: int,
@@ -404,7 +497,7 @@ def _repeat(
 ) -> None:
     """key[start:end] is key[start:start + size] said again and again: guessed as that
     base (estimated alone) times how often it is said, no more random than the base."""
-    base_full, base_free = _estimate(key[start : start + size])
+    base_full, base_free = _estimate_part(key[start : start + size])
     full, free = cost(start, end)
     bits = max(base_full + math.log2((end - start) // size), _MIN_MANY_BITS)
     if full > bits or free > base_free:
@@ -415,15 +508,15 @@ def _digit_parts(key: str, shape: str, add: _Add) -> None:
     """Digits standing alone between separators (or the key's ends): a date, a year, a
     number; zero-padded counters anywhere; dates with separators."""
     n = len(key)
-    for run in _DIGITS.finditer(key):
-        start, end = run.span()
-        if (start and shape[start - 1] == "0") or (end < n and shape[end] == "0"):
-            continue
+    # "-" before the shape: every run standing alone follows a separator or a symbol.
+    for run in _ALONE_DIGITS.finditer("-" + shape):
+        start, end = run.start(), run.end() - 1
         size = end - start
-        if 4 <= size <= 8 and (bits := _date_bits(run.group())) is not None:
+        digits = key[start:end]
+        if 4 <= size <= 8 and (bits := _date_bits(digits)) is not None:
             add(start, end, bits, False)
-        if size == 4 and key[start : start + 2] in ("19", "20"):
-            add(start, end, _year_bits(int(run.group())), False)
+        if size == 4 and digits[:2] in ("19", "20"):
+            add(start, end, _year_bits(int(digits)), False)
         add(start, end, size * _LOG2_10, False)
     if "000" in key:
         for counter in _COUNTER.finditer(key):

@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from leasekeeper._core.keyguess import guessing_bits
+from leasekeeper._core.keyguess import estimate_below
 from leasekeeper._errors import InvalidRequest, PayloadTooLarge
 
 __all__ = [
@@ -235,8 +235,8 @@ def check_bare_key(key: str) -> None:
             "Invalid key: without a namespace a key must be 32 to 200 printable ASCII "
             f"characters with no whitespace; {advice}"
         )
-    bits = guessing_bits(key)
-    if bits < MIN_BARE_KEY_BITS:
+    bits = estimate_below(key, MIN_BARE_KEY_BITS)
+    if bits is not None:
         raise InvalidRequest(
             f"Invalid key: without a namespace a key must look random (at least "
             f"{MIN_BARE_KEY_BITS:.0f} bits of entropy, where words, names, dates, keyboard "
