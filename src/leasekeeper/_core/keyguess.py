@@ -277,7 +277,6 @@ def _date_year(x: int, y: int, z: int) -> int | None:
     return None
 
 
-@lru_cache(maxsize=16_384)
 def _date_bits(digits: str) -> float | None:
     """zxcvbn's guesses for 4 to 8 digits read as a date, in bits, or None."""
     best = None
@@ -458,8 +457,10 @@ def _estimate(key: str) -> tuple[float, float]:
     return brute_full - _best_saving(parts, 2), brute_free - _best_saving(parts, 3)
 
 
-#: Repeated parts are short and few ("==", "ab", "0"): their estimates are kept.
-_estimate_part = lru_cache(maxsize=4_096)(_estimate)
+#: The estimates of short repeated parts ("==", "ab"), which recur from key to key. Only
+#: of parts of four characters at most: a key is a secret, and no more of it than that
+#: outlives its request here.
+_estimate_short_part = lru_cache(maxsize=4_096)(_estimate)
 
 
 def _short_repeats(key: str, codes: bytes) -> list[tuple[int, int, int]]:
@@ -497,7 +498,8 @@ def _repeat(
 ) -> None:
     """key[start:end] is key[start:start + size] said again and again: guessed as that
     base (estimated alone) times how often it is said, no more random than the base."""
-    base_full, base_free = _estimate_part(key[start : start + size])
+    base = key[start : start + size]
+    base_full, base_free = _estimate_short_part(base) if size <= 4 else _estimate(base)
     full, free = cost(start, end)
     bits = max(base_full + math.log2((end - start) // size), _MIN_MANY_BITS)
     if full > bits or free > base_free:
