@@ -9,6 +9,7 @@ callgrind, which counts the same for the same code whatever else the machine doe
 
     python -m bench._instructions                     # all targets, 1,920 requests each
     python -m bench._instructions --targets reference,memory
+    python -m bench._instructions --targets bare      # acquires without a namespace
 
 Each target runs twice in a fresh interpreter, with N and then 3N requests from 64
 concurrent tasks after the same warm-up; the difference over 2N is one request's
@@ -24,12 +25,14 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,11 +40,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGETS = ("reference", "memory", "sqlite")
+TARGETS = ("reference", "memory", "sqlite", "bare")
+#: What runs without --targets: "bare" only measures the guard on keys without a namespace.
+DEFAULT_TARGETS = ("reference", "memory", "sqlite")
 LABELS = {
     "reference": "reference (the empty endpoint)",
     "memory": "acquire, memory store",
     "sqlite": "acquire, SQLite",
+    "bare": "acquire, memory, no namespace",
 }
 TASKS = 64
 WARM_UP = 5 * TASKS
@@ -106,7 +112,7 @@ async def drive(target: str, requests: int, workdir: Path) -> Counter[int]:
     else:
         from leasekeeper.cli import _service, _settings, serve_app
 
-        store = "memory://" if target == "memory" else f"sqlite:///{workdir / 'bench.db'}"
+        store = f"sqlite:///{workdir / 'bench.db'}" if target == "sqlite" else "memory://"
         settings = _settings(host=None, port=None, store=store)
         service = _service(settings)
         app = serve_app(service, settings, run_cleanup=False)
@@ -118,7 +124,16 @@ async def drive(target: str, requests: int, workdir: Path) -> Counter[int]:
             number = next(numbers)
             return b'{"namespace":"%s","key":"k-%d","ttl_seconds":60}' % (namespace, number)
 
-        call = _caller(app, "/services/v1/lease", acquire_body)
+        # The same uuid4 keys in every run (a seeded generator), made as each request is.
+        uuids = random.Random(0)
+
+        def bare_body() -> bytes:
+            key = uuid.UUID(bytes=uuids.randbytes(16), version=4)
+            return b'{"key":"%s","ttl_seconds":60}' % str(key).encode()
+
+        bodies = bare_body if target == "bare" else acquire_body
+
+        call = _caller(app, "/services/v1/lease", bodies)
     statuses: Counter[int] = Counter()
 
     async def task(count: int) -> None:
@@ -182,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench._instructions", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated")
+    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS), help="comma-separated")
     parser.add_argument("--requests", type=int, default=1920, help="N (a multiple of 64)")
     parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--valgrind", default="valgrind", help="the valgrind to run")

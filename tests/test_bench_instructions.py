@@ -18,7 +18,7 @@ from leasekeeper import cli
 
 
 @pytest.mark.parametrize(
-    ("target", "status"), [("reference", 200), ("memory", 201), ("sqlite", 201)]
+    ("target", "status"), [("reference", 200), ("memory", 201), ("sqlite", 201), ("bare", 201)]
 )
 def test_the_driver_sends_every_request_and_each_succeeds(
     target: str, status: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

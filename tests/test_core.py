@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import leasekeeper._core
 from leasekeeper import FakeClock, InvalidRequest, PayloadTooLarge
-from leasekeeper._core import rules, secrets, times, validation
+from leasekeeper._core import keyguess, rules, secrets, times, validation
 from leasekeeper._core.model import (
     Acquire,
     Complete,
@@ -241,16 +241,20 @@ class TestKeys:
         assert "uuid" in caught.value.error and "namespace" in caught.value.error
         assert key not in caught.value.error
 
-    def test_a_refused_keys_entropy_is_never_shown_as_enough(self) -> None:
-        """The message gives the measure rounded down to a tenth: 99.6 bits is not "100"
+    def test_a_refused_keys_estimate_is_never_shown_as_enough(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The message gives the estimate rounded down to a tenth: 99.96 bits is not "100.0"
         beside "at least 100"."""
+        monkeypatch.setattr(validation, "estimate_below", lambda key, bits: 99.96)
         with pytest.raises(InvalidRequest) as caught:
-            validation.check_bare_key("bce0a63c5c98656c35869b666b660c79")  # 99.596 bits
-        assert "at least 100 bits" in caught.value.error
-        assert "this one has 99.5)" in caught.value.error
+            validation.check_bare_key("k" * 32)
+        assert "at least 100 bits of entropy" in caught.value.error
+        assert "estimated at 99.9 bits)" in caught.value.error
+        monkeypatch.undo()
         with pytest.raises(InvalidRequest) as caught:
-            validation.check_bare_key("order-0000000000000000000000000001")  # 42.59 bits
-        assert "this one has 42.5)" in caught.value.error
+            validation.check_bare_key("order-0000000000000000000000000001")  # 17.58 bits
+        assert "estimated at 17.5 bits)" in caught.value.error
 
     @pytest.mark.parametrize(
         "key",
@@ -278,11 +282,12 @@ class TestKeys:
         with pytest.raises(InvalidRequest, match=rule):
             parse_body(AcquireBody, body)
 
-    def test_a_key_of_exactly_100_bits_is_random_enough(self) -> None:
-        """The rule is "at least 100 bits": "ab" * 50 (two characters, each half the
-        time, one bit each) measures exactly 100.0 and is accepted."""
-        assert validation.key_entropy_bits("ab" * 50) == 100.0
-        validation.check_bare_key("ab" * 50)
+    def test_a_key_of_exactly_100_bits_is_random_enough(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The rule is "at least 100 bits": an estimate of exactly 100.0 is accepted."""
+        monkeypatch.setattr(keyguess, "guessing_bits", lambda key: 100.0)
+        validation.check_bare_key("k" * 32)
 
     @pytest.mark.parametrize("key", ["a\x7fb", "a\x85b", "a\x9fb"])
     def test_del_and_c1_controls_are_refused_as_control_characters(self, key: str) -> None:
@@ -291,11 +296,6 @@ class TestKeys:
         with pytest.raises(InvalidRequest) as refused:
             validation.check_namespaced_key(key)
         assert refused.value.error == "Invalid key: must not contain control characters"
-
-    def test_entropy_is_length_times_per_character_entropy(self) -> None:
-        """The measure is len(key) times the Shannon entropy of its own frequencies."""
-        assert validation.key_entropy_bits("abcd") == pytest.approx(8.0)
-        assert validation.key_entropy_bits("aaaa") == 0.0
 
 
 class TestResults:

@@ -79,7 +79,8 @@ def _key_rule(min_chars: int, forbidden: str) -> dict[str, Any]:
 # As if/then/else on one flat object, not an anyOf of two: client generators turn an
 # anyOf into two partial models and lose the other fields. Characters are forbidden as
 # "contains none of" (``not`` a search): an anchored ``^[...]*$`` would let a trailing
-# newline through in Python's re. The entropy floor has no JSON Schema form: "else" says it.
+# newline through in Python's re. The entropy floor (an estimate of guessing entropy,
+# _core/keyguess.py) has no JSON Schema form: "else" says it.
 _KEY_RULE: dict[str, Any] = {
     "if": {"required": ["namespace"], "properties": {"namespace": {"type": "string"}}},
     "then": {

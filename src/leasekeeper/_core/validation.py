@@ -10,11 +10,11 @@ import json
 import math
 import re
 import sys
-from collections import Counter
 from typing import Any
 
 import orjson
 
+from leasekeeper._core.keyguess import estimate_below
 from leasekeeper._errors import InvalidRequest, PayloadTooLarge
 
 __all__ = [
@@ -36,7 +36,6 @@ __all__ = [
     "check_tree",
     "encode_result",
     "json_failure",
-    "key_entropy_bits",
     "parse_json_object",
     "redact",
 ]
@@ -235,15 +234,6 @@ def check_namespaced_key(key: str) -> None:
         raise InvalidRequest("Invalid key: must not contain lone surrogates")
 
 
-def key_entropy_bits(key: str) -> float:
-    """Length times the Shannon entropy per character of the key's own character frequencies."""
-    n = len(key)
-    if n == 0:
-        return 0.0
-    per_char = 0.0 - sum(c / n * math.log2(c / n) for c in Counter(key).values())
-    return n * per_char
-
-
 def check_bare_key(key: str) -> None:
     """A key without a namespace must be long, printable ASCII and visibly random."""
     advice = (
@@ -255,12 +245,13 @@ def check_bare_key(key: str) -> None:
             f"Invalid key: without a namespace a key must be {MIN_BARE_KEY_CHARS} to "
             f"{MAX_KEY_CHARS} printable ASCII characters with no whitespace; {advice}"
         )
-    bits = key_entropy_bits(key)
-    if bits < MIN_BARE_KEY_BITS:
+    bits = estimate_below(key, MIN_BARE_KEY_BITS)
+    if bits is not None:
         raise InvalidRequest(
             f"Invalid key: without a namespace a key must look random (at least "
-            f"{MIN_BARE_KEY_BITS:.0f} bits of entropy by its own character frequencies, "
-            f"this one has {math.floor(bits * 10) / 10:.1f}); {advice}"
+            f"{MIN_BARE_KEY_BITS:.0f} bits of entropy, where words, names, dates, keyboard "
+            "patterns, repeats and sequences count for little; this one is estimated at "
+            f"{math.floor(bits * 10) / 10:.1f} bits); {advice}"
         )
 
 
