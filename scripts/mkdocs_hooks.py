@@ -4,6 +4,9 @@
 ``leasekeeper.Settings``: the variable from the field's name, the default from the
 field, the meaning from the field's docstring, and the flag from the ``leasekeeper``
 commands that take one. A field without a docstring fails the build.
+
+``<!-- request-fields -->`` becomes the table of every request body's fields, built from
+the request models where each field's type and bounds are declared (``field_table``).
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ from typing import Any
 import click
 
 import leasekeeper
+from leasekeeper._schemas import field_table
+from leasekeeper._service import OPERATIONS
 
 SETTINGS_MARKER = "<!-- settings-table -->"
+FIELDS_MARKER = "<!-- request-fields -->"
 _PREFIX = "LEASEKEEPER_"
 
 
@@ -29,6 +35,8 @@ def on_page_markdown(markdown: str, **_: Any) -> str:
     """mkdocs' hook: replace the settings marker with the table."""
     if SETTINGS_MARKER in markdown:
         markdown = markdown.replace(SETTINGS_MARKER, settings_table())
+    if FIELDS_MARKER in markdown:
+        markdown = markdown.replace(FIELDS_MARKER, fields_table())
     return markdown
 
 
@@ -84,3 +92,16 @@ def settings_table() -> str:
         variable = f"`{_PREFIX}{field.name.upper()}`"
         rows.append(f"| {variable} | {flag} | {_default(field.default)} | {meaning} |")
     return "\n".join(rows)
+
+
+def fields_table() -> str:
+    """The markdown table of every request field: its type, the operations that take
+    it, whether it is required, and its rule, as the request models declare them."""
+    rows: dict[tuple[str, ...], list[str]] = {}
+    for operation, (model, _) in OPERATIONS.items():
+        for row in field_table(model):
+            rows.setdefault((row.field, row.type, row.presence, row.rule), []).append(operation)
+    lines = ["| field | type | in | presence | rule |", "|---|---|---|---|---|"]
+    for (field, kind, presence, rule), operations in rows.items():
+        lines.append(f"| `{field}` | {kind} | {', '.join(operations)} | {presence} | {rule} |")
+    return "\n".join(lines)

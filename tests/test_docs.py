@@ -276,3 +276,24 @@ def test_the_settings_table_is_rendered_from_settings() -> None:
     assert hooks.SETTINGS_MARKER in page
     assert "| `LEASEKEEPER_STORE`" not in page
     assert hooks.on_page_markdown(page).count("LEASEKEEPER_CLEANUP_BATCH") >= 2
+
+
+def test_the_request_fields_table_is_rendered_from_the_models() -> None:
+    """Every field of every request model is in one row of the HTTP API page's table, with
+    the operations that take it; the page holds the marker, not a copy of the table."""
+    from leasekeeper._service import OPERATIONS
+
+    hooks = load_hooks()
+    rows = hooks.fields_table().splitlines()[2:]
+    taken: dict[str, set[str]] = {}
+    for row in rows:
+        field, _, operations = (cell.strip() for cell in row.strip("|").split("|")[:3])
+        taken.setdefault(field.strip("`"), set()).update(operations.split(", "))
+    expected: dict[str, set[str]] = {}
+    for operation, (model, _) in OPERATIONS.items():
+        for name in model.model_fields:
+            expected.setdefault(name, set()).add(operation)
+    assert taken == expected
+    page = (ROOT / "docs/http-api.md").read_text(encoding="utf-8")
+    assert hooks.FIELDS_MARKER in page
+    assert "| `ttl_seconds` |" not in page
