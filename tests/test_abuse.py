@@ -1279,6 +1279,45 @@ def test_a_client_that_does_not_read_its_answers_gives_its_connection_back() -> 
         assert still_open == 0
 
 
+@pytest.mark.slow
+def test_a_client_that_reads_a_large_answer_slowly_gets_all_of_it() -> None:
+    """Swagger UI's script for /docs (1.7 MB) to a client that reads on steadily but
+    takes several request timeouts for the whole, over a link that keeps the server's
+    socket buffer small (as a slow network does; loopback would grow it to megabytes):
+    it is sent a piece at a time, and each piece is taken in time, so the file arrives.
+    (Sent in one piece, it had to be taken whole within one timeout: dropped.)"""
+
+    class SmallSendBuffer(HttpToolsProtocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            transport.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_SNDBUF, 32_768
+            )
+            super().connection_made(transport)
+
+    timeout = 0.5
+    path = "/docs/swagger-ui-bundle.js"
+    app = create_app(LeaseService(MemoryStore()), run_cleanup=False)
+    with uvicorn_serving(app, timeout, SmallSendBuffer) as (url, _):
+        whole = httpx.get(url + path).content
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16_384)
+        sock.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        sock.settimeout(5)
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        started = time.monotonic()
+        received = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(32_768):
+                received += chunk
+                time.sleep(0.03)  # about 1 MB/s at most
+        took = time.monotonic() - started
+        sock.close()
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and len(body) == len(whole) > 1_000_000
+    assert body == whole
+    assert took > 2 * timeout, took  # slow enough that one deadline for the whole would cut it
+
+
 def rss_kib(server: Server) -> int:
     """The server process's resident memory, from /proc."""
     status = Path(f"/proc/{server.process.pid}/status").read_text()

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, Response
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from leasekeeper._errors import LeaseError, ServiceUnavailable
@@ -33,7 +33,8 @@ from leasekeeper._settings import Settings
 from leasekeeper.http._endpoint import LeaseEndpoint
 from leasekeeper.http._errors import error_response, http_exception_handler, unexpected_handler
 from leasekeeper.http._lease_app import LeaseApp
-from leasekeeper.http._openapi import DOCS_HTML, openapi_document
+from leasekeeper.http._openapi import openapi_document
+from leasekeeper.http._swagger import ASSET_PATHS, docs_routes
 
 __all__ = ["BASE_PATH", "create_app"]
 
@@ -98,9 +99,6 @@ def create_app(
     async def openapi(request: Request) -> Response:
         return Response(openapi_bytes, media_type=_JSON)
 
-    async def docs(request: Request) -> Response:
-        return HTMLResponse(DOCS_HTML)
-
     post = ["POST"]
     routes: list[BaseRoute] = [
         *(Route(path, endpoints[operation], methods=post) for path, operation in _ROUTES.items()),
@@ -108,7 +106,7 @@ def create_app(
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
-        Route("/docs", docs, methods=["GET"]),
+        *docs_routes(),
         *(extra_routes or []),
     ]
 
@@ -214,6 +212,7 @@ _ROUTE_NAMES = {
     "/metrics": "metrics",
     "/openapi.json": "openapi",
     "/docs": "docs",
+    **dict.fromkeys(ASSET_PATHS, "docs_asset"),
 }
 
 

@@ -13,7 +13,7 @@ from pydantic.json_schema import JsonSchemaMode
 from leasekeeper import _replies as replies
 from leasekeeper._schemas import AcquireBody, CompleteBody, NamespaceBody, ReleaseBody, RenewBody
 
-__all__ = ["DOCS_HTML", "openapi_document"]
+__all__ = ["openapi_document"]
 
 _REF = "#/components/schemas/{model}"
 
@@ -197,26 +197,3 @@ def openapi_document(base: str) -> dict[str, Any]:
         },
         "components": {"schemas": schemas},
     }
-
-
-#: Swagger UI for ``/docs``, from jsDelivr, pinned to one release and checked by the
-#: browser against these hashes (Subresource Integrity): a CDN that served anything
-#: else would run script on the service's own origin. The hashes are SHA-384 of the
-#: files in npm's ``swagger-ui-dist-5.35.0.tgz`` (whose own sha512 matched the npm
-#: registry's), which jsDelivr serves byte for byte. To move to another release,
-#: recompute both from its tarball: ``openssl dgst -sha384 -binary FILE | base64``.
-_SWAGGER_UI = "https://cdn.jsdelivr.net/npm/swagger-ui-dist@5.35.0"
-_SWAGGER_CSS_SRI = "sha384-WlYgdmXYOOBWL5apwjDEZwN+U3HmXSSu5R6V5aGxEcf7z+KuRNwBhoxKVN1i3D5I"
-_SWAGGER_JS_SRI = "sha384-gjRm0bEPMeTmMh5jT2cHccIwCUZSTd8YC+j0d0sXw0MdGEfScduGpSyF3ZSSLkX9"
-#: no-referrer: the CDN is not told the address the docs were opened at.
-DOCS_HTML = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>leasekeeper API</title>
-<link rel="stylesheet" href="{_SWAGGER_UI}/swagger-ui.css"
- integrity="{_SWAGGER_CSS_SRI}" crossorigin="anonymous" referrerpolicy="no-referrer">
-</head><body><div id="ui"></div>
-<script src="{_SWAGGER_UI}/swagger-ui-bundle.js"
- integrity="{_SWAGGER_JS_SRI}" crossorigin="anonymous" referrerpolicy="no-referrer"></script>
-<script>SwaggerUIBundle({{url: "/openapi.json", dom_id: "#ui"}});</script>
-<noscript>The machine-readable API description is at <a href="/openapi.json">/openapi.json</a>.
-</noscript></body></html>
-"""
