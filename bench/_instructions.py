@@ -101,7 +101,7 @@ def _caller(app: Any, path: str, bodies: Callable[[], bytes]) -> Request:
 async def drive(target: str, requests: int, workdir: Path) -> Counter[int]:
     """Warm up, then send ``requests`` requests to ``target`` from 64 tasks; the statuses."""
     from leasekeeper._core import secrets
-    from leasekeeper.cli import _tune_gc
+    from leasekeeper._server_cli import _tune_gc
 
     service = None
     if target == "reference":
@@ -110,7 +110,7 @@ async def drive(target: str, requests: int, workdir: Path) -> Counter[int]:
         ref_body = b'{"namespace":"ns_%s","key":"k-000000","ttl_seconds":60}' % (b"A" * 43)
         call = _caller(app, "/ref", lambda: ref_body)
     else:
-        from leasekeeper.cli import _service, _settings, serve_app
+        from leasekeeper._server_cli import _service, _settings, serve_app
 
         store = f"sqlite:///{workdir / 'bench.db'}" if target == "sqlite" else "memory://"
         settings = _settings(host=None, port=None, store=store)

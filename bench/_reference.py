@@ -18,8 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from leasekeeper._server_cli import _tune_gc, uvicorn_options
 from leasekeeper._settings import Settings
-from leasekeeper.cli import _tune_gc, uvicorn_options
 
 
 async def ok(request: Request) -> JSONResponse:

@@ -62,7 +62,9 @@ def _flags() -> dict[str, list[str]]:
     (script,) = (ep for ep in entry_points(group="console_scripts") if ep.name == "leasekeeper")
     main = script.load()
     found: dict[str, list[str]] = {}
-    for name, command in sorted(main.commands.items()):
+    context = click.Context(main)  # the server's commands load through it, on first use
+    for name in main.list_commands(context):
+        command = main.get_command(context, name)
         for param in command.params:
             if isinstance(param, click.Option) and param.name:
                 found.setdefault(param.name, []).append(name)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from bench import _instructions
 
-from leasekeeper import cli
+from leasekeeper import _server_cli
 
 
 @pytest.mark.parametrize(
@@ -24,7 +24,7 @@ def test_the_driver_sends_every_request_and_each_succeeds(
     target: str, status: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """128 requests after the warm-up, every one answered 200 (reference) or 201 (acquire)."""
-    monkeypatch.setattr(cli, "_tune_gc", lambda: None)  # gc.freeze() would outlive the test
+    monkeypatch.setattr(_server_cli, "_tune_gc", lambda: None)  # gc.freeze() would outlive the test
     statuses = _instructions._run(_instructions.drive(target, 128, tmp_path))
     assert statuses == {status: 128}
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import leasekeeper._core
 from leasekeeper import FakeClock, InvalidRequest, PayloadTooLarge
-from leasekeeper._core import keyguess, rules, secrets, times, validation
+from leasekeeper._core import keyguess, parsing, rules, secrets, times, validation
 from leasekeeper._core.model import (
     Acquire,
     Complete,
@@ -488,7 +488,7 @@ class TestStrictJson:
     def test_bad_json_is_invalid(self, body: bytes, message: str) -> None:
         """Each non-strict JSON body is refused with a reason."""
         with pytest.raises(InvalidRequest, match=message):
-            validation.parse_json_object(body)
+            parsing.parse_json_object(body)
 
     @pytest.mark.parametrize(
         ("body", "message"),
@@ -501,7 +501,7 @@ class TestStrictJson:
     def test_a_parse_error_says_what_and_where_once(self, body: bytes, message: str) -> None:
         """The decoder's words and the position, not "at at": some of its words end in "at"."""
         with pytest.raises(InvalidRequest) as refused:
-            validation.parse_json_object(body)
+            parsing.parse_json_object(body)
         assert refused.value.error == f"Body is not valid JSON: {message}"
         with pytest.raises(ValueError, match=f"^{message}$"):
             decode(body)
@@ -509,19 +509,19 @@ class TestStrictJson:
     def test_nesting_limit_is_64_levels(self) -> None:
         """64 levels of nesting pass; 65 do not."""
         ok = b'{"a":' + b"[" * 63 + b"]" * 63 + b"}"
-        assert validation.parse_json_object(ok)
+        assert parsing.parse_json_object(ok)
         too_deep = b'{"a":' + b"[" * 64 + b"]" * 64 + b"}"
         with pytest.raises(InvalidRequest, match="deeper than 64"):
-            validation.parse_json_object(too_deep)
+            parsing.parse_json_object(too_deep)
 
     def test_a_byte_order_mark_is_tolerated(self) -> None:
         """A UTF-8 BOM before the object is ignored."""
-        assert validation.parse_json_object("\ufeff{}".encode()) == {}
+        assert parsing.parse_json_object("\ufeff{}".encode()) == {}
 
     def test_the_usual_lease_body_takes_the_flat_path(self) -> None:
         """An acquire body is parsed by orjson; what that path cannot vouch for is not."""
         usual = b'{"namespace": "ns_x", "key": "k\xc3\xa9", "ttl_seconds": 60, "fingerprint": null}'
-        assert validation._flat_object(usual) == {
+        assert parsing._flat_object(usual) == {
             "namespace": "ns_x",
             "key": "k\u00e9",
             "ttl_seconds": 60,
@@ -536,7 +536,7 @@ class TestStrictJson:
             b"\xef\xbb\xbf{}",  # a byte order mark
             b"[]",
         ):
-            assert validation._flat_object(other) is None, other
+            assert parsing._flat_object(other) is None, other
 
     # No deadline: this checks answers, not speed, and a loaded machine once failed it
     # (DeadlineExceeded, as far as could be told: no falsifying example was kept).
@@ -547,10 +547,10 @@ class TestStrictJson:
         """Differential: whenever the orjson path answers, the strict parser accepts the
         same body and returns the same members, values and types, in the same order."""
         body = _json_ish(data) if data is not None else b'{"a": "x", "a": "x"}'
-        flat = validation._flat_object(body)
+        flat = parsing._flat_object(body)
         if flat is None:
             return
-        strict = validation._parse_strict(body)
+        strict = parsing._parse_strict(body)
         assert [(k, type(v), v) for k, v in flat.items()] == [
             (k, type(v), v) for k, v in strict.items()
         ]

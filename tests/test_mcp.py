@@ -38,8 +38,8 @@ import leasekeeper.mcp
 from leasekeeper import FakeClock, LeaseService, Settings
 from leasekeeper._core.validation import UTF8_BOM
 from leasekeeper._limits import Limits
+from leasekeeper._server_cli import serve_app
 from leasekeeper._service import clean_up_every
-from leasekeeper.cli import serve_app
 from leasekeeper.http import create_app
 from leasekeeper.mcp import TOOL_OPERATIONS, call_lease_tool, create_mcp_server
 from leasekeeper.store import MemoryStore

@@ -210,11 +210,11 @@ def test_serve_takes_startup_objects_out_of_the_garbage_collectors_scans() -> No
     """``serve`` freezes what is loaded before it listens and collects the young less often."""
     import gc
 
-    from leasekeeper import cli
+    from leasekeeper import _server_cli
 
     threshold = gc.get_threshold()
     try:
-        cli._tune_gc()
+        _server_cli._tune_gc()
         assert gc.get_freeze_count() > 1000
         assert gc.get_threshold() == (10_000, threshold[1], threshold[2])
     finally:
@@ -345,12 +345,13 @@ def test_serve_logs_an_address_a_browser_or_curl_can_take(
     import uvicorn
     from click.testing import CliRunner
 
-    from leasekeeper import cli
+    from leasekeeper import _server_cli, cli
 
     served: list[tuple[str, int]] = []
     monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **_: served.append((host, port)))
-    monkeypatch.setattr(cli, "_tune_gc", lambda: None)
-    monkeypatch.setattr(cli, "configure_logging", lambda level: None)  # keeps caplog's handler
+    monkeypatch.setattr(_server_cli, "_tune_gc", lambda: None)
+    # keeps caplog's handler
+    monkeypatch.setattr(_server_cli, "configure_logging", lambda level: None)
     with caplog.at_level("INFO", logger="leasekeeper"):
         done = CliRunner().invoke(
             cli.main, ["serve", "--host", host, "--port", "8799", "--store", "memory://"]

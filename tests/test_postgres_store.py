@@ -145,7 +145,7 @@ def test_the_pool_size_setting_reaches_the_store() -> None:
     its default is the store's own."""
     import inspect
 
-    from leasekeeper import Settings, cli
+    from leasekeeper import Settings, _server_cli
     from leasekeeper.store._postgres import PostgresStore
 
     default = inspect.signature(PostgresStore).parameters["max_size"].default
@@ -155,7 +155,7 @@ def test_the_pool_size_setting_reaches_the_store() -> None:
             "LEASEKEEPER_STORE": "postgres://u@db.example/leases",
             "LEASEKEEPER_POSTGRES_POOL_SIZE": str(size),
         }
-        store = cli._service(Settings.from_env(env)).store
+        store = _server_cli._service(Settings.from_env(env)).store
         assert isinstance(store, PostgresStore)
         assert (store._max_size, store._min_size, store._max_batches) == (size, 1, batches)
     assert open_store("postgresql://u@db.example/leases")._max_size == default  # type: ignore[attr-defined]

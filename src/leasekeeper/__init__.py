@@ -26,25 +26,43 @@ from leasekeeper._errors import (
     ServiceUnreachable,
     StaleFence,
 )
-from leasekeeper._service import LeaseService, Reply
-from leasekeeper._settings import Settings, SettingsError
 from leasekeeper.client import AsyncLeaseClient, LeaseClient
-from leasekeeper.store import Store, open_store
 
 if TYPE_CHECKING:
+    from leasekeeper._service import LeaseService, Reply
+    from leasekeeper._settings import Settings, SettingsError
+    from leasekeeper.store import Store, open_store
     from leasekeeper.web import IdempotencyMiddleware, WSGIIdempotencyMiddleware
 else:
-    # The middlewares load on first use: a worker that only takes leases does not import
-    # leasekeeper.web. Type checkers read the import above instead, so they see no
-    # module __getattr__, which would make every unknown name of this package Any.
+    from leasekeeper._extras import import_server as _import_server
+
+    # These names load on first use. The middlewares: a worker that only takes leases does
+    # not import leasekeeper.web. The server's: ``pip install leasekeeper`` installs the
+    # client alone, and a name whose module needs a package of ``leasekeeper[server]`` that
+    # is missing is an ImportError naming that install command. Type checkers read the
+    # imports above instead, so they see no module __getattr__, which would make every
+    # unknown name of this package Any.
+    _MIDDLEWARES = {"IdempotencyMiddleware", "WSGIIdempotencyMiddleware"}
+    _SERVER = {
+        "LeaseService": "leasekeeper._service",
+        "Reply": "leasekeeper._service",
+        "Settings": "leasekeeper._settings",
+        "SettingsError": "leasekeeper._settings",
+        "Store": "leasekeeper.store",
+        "open_store": "leasekeeper.store",
+    }
+
     def __getattr__(name: str) -> object:
-        if name in ("IdempotencyMiddleware", "WSGIIdempotencyMiddleware"):
+        if name in _MIDDLEWARES:
             import leasekeeper.web
 
             value = getattr(leasekeeper.web, name)
-            globals()[name] = value
-            return value
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        elif name in _SERVER:
+            value = getattr(_import_server(_SERVER[name], f"leasekeeper.{name}"), name)
+        else:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        globals()[name] = value
+        return value
 
     def __dir__() -> list[str]:
         return sorted({*globals(), *__all__})

@@ -1,328 +1,68 @@
-"""The ``leasekeeper`` command: ``serve``, ``mcp``, ``cleanup`` and ``fence``."""
+"""The ``leasekeeper`` command.
+
+The client's commands (``namespace``, ``acquire``, ``renew``, ``release``, ``complete``,
+``run``) come with every install. The server's (``serve``, ``mcp``, ``cleanup``,
+``fence``) load when one is run or listed, and need ``leasekeeper[server]``: without
+it each is still listed, and says in one line how to install it.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import gc
-import logging
-import os
-import sys
-import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
-
 import click
-import orjson
 
-from leasekeeper._errors import LeaseError
-from leasekeeper._logging import configure_logging
-from leasekeeper._service import LeaseService
-from leasekeeper._settings import Settings, SettingsError, unknown_variables
+from leasekeeper._extras import SERVER_INSTALL, ServerMissing, import_server
 from leasekeeper.client.cli import CLIENT_COMMANDS
-from leasekeeper.http import (
-    LeaseApp,
-    create_app,
-    guard_protocol,
-    serve_connection_limit_with,
-    uvicorn_protocol,
-)
-from leasekeeper.store import (
-    MAX_RAISED_FENCE,
-    Durable,
-    StoreURLError,
-    open_store,
-)
 
-__all__ = ["main", "serve_app"]
+__all__ = ["main"]
 
-log = logging.getLogger("leasekeeper")
-
-T = TypeVar("T")
+#: The commands of ``leasekeeper._server_cli`` (``SERVER_COMMANDS``), named here so that
+#: the client's commands, and a listing without the server, do not import it.
+_SERVER_COMMANDS = ("cleanup", "fence", "mcp", "serve")
 
 
-def _settings(**overrides: Any) -> Settings:
-    """The settings of a server command (``overrides``: its flags), its logging set up as
-    they say, and a WARNING for each ``LEASEKEEPER_*`` name that no setting reads."""
-    try:
-        settings = Settings.from_env(os.environ, **overrides)
-    except SettingsError as exc:
-        raise click.UsageError(str(exc)) from None
-    configure_logging(settings.log_level)
-    for name, closest in unknown_variables():
-        hint = f" (did you mean {closest}?)" if closest else ""
-        log.warning("%s is not a leasekeeper setting and is ignored%s", name, hint)
-    return settings
+class _Commands(click.Group):
+    """The client's commands, and the server's, loaded on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *_SERVER_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in _SERVER_COMMANDS:
+            return super().get_command(ctx, cmd_name)
+        try:
+            import_server("leasekeeper._server_cli", f"{ctx.command_path} {cmd_name}")
+        except ServerMissing as missing:
+            return _not_installed(cmd_name, str(missing))
+        from leasekeeper._server_cli import SERVER_COMMANDS
+
+        return SERVER_COMMANDS[cmd_name]
 
 
-def _service(settings: Settings) -> LeaseService:
-    try:
-        store = open_store(
-            settings.store,
-            timeout_seconds=settings.store_timeout_seconds,
-            pool_size=settings.postgres_pool_size,
-        )
-    except StoreURLError as exc:
-        raise click.UsageError(f"--store / LEASEKEEPER_STORE: {exc}") from None
-    return LeaseService(
-        store,
-        lifecycle_seconds=settings.lifecycle_seconds,
-        cleanup_batch=settings.cleanup_batch,
+def _not_installed(name: str, line: str) -> click.Command:
+    """Stands for a server command that cannot load: whatever its arguments (``--help``
+    included), it prints ``line`` to stderr and exits 2, the status of a usage error."""
+
+    def refuse() -> None:
+        click.echo(line, err=True)
+        raise click.exceptions.Exit(2)
+
+    return click.Command(
+        name,
+        callback=refuse,
+        short_help=f"Needs the server: {SERVER_INSTALL}",
+        add_help_option=False,
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
     )
 
 
-#: ``--store`` of the commands that open a store themselves.
-_STORE_OPTION = click.option(
-    "--store",
-    default=None,
-    help="Store URL [LEASEKEEPER_STORE, sqlite:///./leasekeeper.db].",
-)
-
-
-@click.group()
+@click.group(cls=_Commands)
 @click.version_option(package_name="leasekeeper")
 def main() -> None:
     """leasekeeper: leases, fencing tokens and idempotent results."""
 
 
-# namespace, acquire, renew, release, complete, run: the client commands.
 for _command in CLIENT_COMMANDS:
     main.add_command(_command)
-
-
-@main.command()
-@click.option("--host", default=None, help="Listen address [LEASEKEEPER_HOST, 127.0.0.1].")
-@click.option(
-    "--port",
-    type=click.IntRange(1, 65535),
-    default=None,
-    help="Listen port [LEASEKEEPER_PORT, 8787].",
-)
-@_STORE_OPTION
-def serve(host: str | None, port: int | None, store: str | None) -> None:
-    """Run the HTTP API (and MCP at /mcp)."""
-    import uvicorn
-
-    from leasekeeper.mcp import quiet_sdk_logs
-
-    settings = _settings(host=host, port=port, store=store)
-    service = _service(settings)
-    quiet_sdk_logs()
-    app = serve_app(service, settings)
-    # Past uvicorn's connection limit: the JSON 503 of the in-flight cap, counted.
-    serve_connection_limit_with(app.at_connection_limit())
-    slow_headers = app.metrics.slow_clients.labels("headers")
-    protocol = guard_protocol(
-        uvicorn_protocol(), settings.request_timeout_seconds, on_timeout=slow_headers.inc
-    )
-    log.info(
-        "leasekeeper starting on http://%s:%d (store scheme %s)",
-        f"[{settings.host}]" if ":" in settings.host else settings.host,  # an IPv6 address
-        settings.port,
-        settings.store.partition(":")[0],
-    )
-    _tune_gc()
-    uvicorn.run(app, host=settings.host, port=settings.port, **uvicorn_options(settings, protocol))
-
-
-def serve_app(
-    service: LeaseService,
-    settings: Settings,
-    *,
-    monotonic: Callable[[], float] = time.monotonic,
-    run_cleanup: bool = True,
-) -> LeaseApp:
-    """The application ``serve`` runs: the HTTP API with MCP at /mcp beside it.
-
-    One set of rate limits serves both, so that requests (and mints) from one
-    client address, or for one namespace, over HTTP and over MCP add up.
-    ``monotonic`` drives the rate limits (tests pass a fake).
-    """
-    from leasekeeper._limits import Limits
-    from leasekeeper.mcp import streamable_http_mount
-
-    limits = Limits.from_settings(settings, monotonic=monotonic)
-    mcp = streamable_http_mount(service, settings, limits=limits)
-    return create_app(
-        service,
-        settings,
-        monotonic=monotonic,
-        run_cleanup=run_cleanup,
-        extra_routes=mcp.routes,
-        lifespan_hooks=mcp.lifespan_hooks,
-        limits=limits,
-    )
-
-
-def _tune_gc() -> None:
-    """Keep the cyclic garbage collector off the request path's tail latency.
-
-    Everything loaded by now (modules, schemas, the app) lives as long as the
-    process: ``gc.freeze`` takes it out of every later collection, which would
-    otherwise scan it in full, a pause on every request in flight, each time the
-    oldest generation is collected. Requests allocate many short-lived containers;
-    a larger first-generation threshold collects them less often. Reference
-    counting still frees almost everything at once.
-    """
-    gc.collect()
-    gc.freeze()
-    _, second, third = gc.get_threshold()
-    gc.set_threshold(10_000, second, third)
-
-
-def uvicorn_options(
-    settings: Settings, protocol: type[asyncio.Protocol] | None = None
-) -> dict[str, Any]:
-    """How ``serve`` runs uvicorn (beside host and port); the benchmark's reference app
-    runs with the very same options, so the two are compared on one stack."""
-    if protocol is None:
-        protocol = guard_protocol(uvicorn_protocol(), settings.request_timeout_seconds)
-    return {
-        "loop": "uvloop" if _has("uvloop") else "asyncio",
-        "http": protocol,
-        # uvicorn counts the connection asking among the open ones (refusing at
-        # ``len(connections) >= limit``): one more lets max_connections be open.
-        "limit_concurrency": settings.max_connections + 1,
-        "access_log": False,
-        "log_config": None,
-        "timeout_keep_alive": settings.keep_alive_seconds,
-        "server_header": False,
-    }
-
-
-def _has(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
-
-
-@main.command("mcp")
-@_STORE_OPTION
-def mcp_command(store: str | None) -> None:
-    """Serve the MCP tools over stdio, for desktop agents.
-
-    stdout carries the protocol; logs go to stderr and never contain tool
-    arguments or results.
-    """
-    from leasekeeper.mcp import quiet_sdk_logs, serve_stdio
-
-    settings = _settings(store=store)
-    quiet_sdk_logs()
-    if sys.stdin is None or sys.stdout is None:  # started with fd 0 or 1 closed
-        log.error("MCP over stdio needs stdin and stdout; one of them is closed")
-        sys.exit(1)
-    service = _service(settings)
-    log.info("leasekeeper MCP on stdio (store scheme %s)", settings.store.partition(":")[0])
-    try:
-        asyncio.run(
-            serve_stdio(
-                service,
-                cleanup_interval_seconds=settings.cleanup_interval_seconds,
-                max_message_bytes=settings.max_body_bytes,
-            )
-        )
-    except KeyboardInterrupt:
-        pass
-    except LeaseError as error:  # a store that cannot be opened: said in one line
-        log.error("%s", error.error)
-        sys.exit(1)
-    except Exception:
-        log.exception("MCP stdio server failed")
-        sys.exit(1)
-
-
-def _once(
-    command: str,
-    store: str | None,
-    work: Callable[[LeaseService], Awaitable[T]],
-    *,
-    existing: bool = False,
-) -> T:
-    """Open the store, ``await work(service)``, close it; on failure say so and exit 1.
-    With ``existing``, a store that is not there (no SQLite file; no leasekeeper tables
-    in the PostgreSQL schema) is a usage error, not a new store. A memory store is
-    always one: it is empty in every process but the server's."""
-    service = _service(_settings(store=store))
-    durable = service.store
-    if not isinstance(durable, Durable):
-        raise click.UsageError(
-            f"{command} needs a store that outlives a process: a memory:// store "
-            "lives only inside the server that holds it"
-        )
-    if existing:
-        try:
-            found = asyncio.run(durable.exists())
-        except Exception as exc:
-            click.echo(f"{command} failed: {exc}", err=True)
-            sys.exit(1)
-        if not found:
-            raise click.UsageError(
-                f"there is no leasekeeper store {durable.where}; none is created"
-            )
-        # After a restore, before anything else (fence only: cleanup runs from cron
-        # beside servers, and the check reads the whole file in one read transaction).
-        if command == "fence":
-            try:
-                damage = asyncio.run(durable.damage())
-            except Exception as exc:
-                click.echo(f"{command} failed: {exc}", err=True)
-                sys.exit(1)
-            if damage is not None:
-                click.echo(
-                    f"{command} refused: {damage}; "
-                    "restore it from a backup as the README says (Operations, Durability)",
-                    err=True,
-                )
-                sys.exit(1)
-
-    async def run() -> T:
-        await service.start()
-        try:
-            return await work(service)
-        finally:
-            await service.stop()
-
-    try:
-        return asyncio.run(run())
-    except Exception as exc:
-        click.echo(f"{command} failed: {exc}", err=True)
-        sys.exit(1)
-
-
-@main.command()
-@_STORE_OPTION
-def cleanup(store: str | None) -> None:
-    """Delete every record whose lifecycle is over, once, and print how many.
-
-    It creates no store: a SQLite path where there is no file, or a PostgreSQL schema
-    without leasekeeper's tables, is an error."""
-    deleted = _once("cleanup", store, LeaseService.cleanup, existing=True)
-    click.echo(orjson.dumps({"ok": True, "deleted": deleted}))
-
-
-@main.command()
-@_STORE_OPTION
-@click.option(
-    "--raise-to",
-    type=click.IntRange(0, MAX_RAISED_FENCE),
-    default=None,
-    metavar="N",
-    help="First raise the counter to N, unless it is higher already.",
-)
-def fence(store: str | None, raise_to: int | None) -> None:
-    """Print the store's fencing counter; every token granted later is above it.
-
-    After restoring a backup, or moving records to another store, run it with
-    --raise-to N, N at least the highest token handed out before (the highest your
-    FenceGuard tables hold: SELECT max(fence) FROM leasekeeper_fences). Otherwise a
-    new owner could be given a token that a stale owner still holds. It never lowers
-    the counter, and is safe while servers use the store. It creates no store: a SQLite
-    path where there is no file, or a PostgreSQL schema without leasekeeper's tables,
-    is an error.
-    """
-    counter = _once(
-        "fence", store, lambda service: service.raise_fence(raise_to or 0), existing=True
-    )
-    click.echo(orjson.dumps({"ok": True, "fencing_counter": counter}))
 
 
 if __name__ == "__main__":  # pragma: no cover - python -m leasekeeper.cli

@@ -8,7 +8,8 @@ from typing import Any
 from starlette.types import Receive, Scope, Send
 
 from leasekeeper._asgi import ClientGone, read_body
-from leasekeeper._core.validation import UTF8_BOM, parse_json_object
+from leasekeeper._core.parsing import parse_json_object
+from leasekeeper._core.validation import UTF8_BOM
 from leasekeeper._errors import InternalError, LeaseError
 from leasekeeper._limits import Limits
 from leasekeeper._metrics import Metrics

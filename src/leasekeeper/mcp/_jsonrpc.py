@@ -11,7 +11,8 @@ from typing import Any
 
 from mcp import types
 
-from leasekeeper._core.validation import NOT_AN_OBJECT, UTF8_BOM, parse_json_object
+from leasekeeper._core.parsing import parse_json_object
+from leasekeeper._core.validation import NOT_AN_OBJECT, UTF8_BOM
 from leasekeeper._errors import InvalidRequest
 
 __all__ = ["Refusal", "id_from_start", "id_of", "read_message"]
