@@ -25,6 +25,8 @@ pytestmark = pytest.mark.slow
 #: The server's packages ([server] and [postgres] in pyproject.toml, and pydantic's and
 #: psycopg's compiled parts), by distribution name and by the name they are imported as.
 SERVER_PACKAGES = {
+    "flask": "flask",  # installed with flask-swagger-ui, never imported
+    "flask-swagger-ui": "flask_swagger_ui",
     "httptools": "httptools",
     "mcp": "mcp",
     "msgspec": "msgspec",
