@@ -328,12 +328,11 @@ async def clean_up_every(
     """Run ``service.cleanup()`` for ever: every ``seconds``, the first time at a random
     point of the first interval (both ``serve`` and ``leasekeeper mcp``).
 
-    Not after a whole interval first: instances started together spread out, and a
-    server restarted more often than the interval (every deploy), or a ``leasekeeper
-    mcp`` that a desktop client starts for each session, still cleans up, where waiting
-    a whole interval first never did. Each pass is logged (a failed one at WARNING, and
-    the loop goes on), then ``ran(deleted, seconds_taken)`` is called, ``deleted`` being
-    None when the pass failed.
+    The random start spreads out instances started together, and lets a server restarted
+    more often than the interval (every deploy), or a ``leasekeeper mcp`` that a desktop
+    client starts for each session, still clean up. Each pass is logged (a failed one at
+    WARNING, and the loop goes on), then ``ran(deleted, seconds_taken)`` is called,
+    ``deleted`` being None when the pass failed.
     """
     pause = seconds * random.random()  # no secret
     while True:
