@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -44,7 +45,6 @@ from leasekeeper._errors import (
     LeaseHeld,
     LeaseLost,
 )
-from leasekeeper._randomness import BlockRandom
 from leasekeeper._schemas import (
     DEFAULT_TTL_SECONDS,
     AcquireBody,
@@ -104,10 +104,9 @@ class LeaseService:
 
     ``cleanup_batch`` and ``cleanup_pause`` pace ``cleanup``; ``sleep`` and
     ``monotonic`` are its timing (tests pass fakes). ``random_bytes`` supplies the
-    randomness for namespaces and owner tokens (by default the OS's CSPRNG, read in
-    blocks: ``leasekeeper._randomness``; tests may inject a deterministic source);
-    ``lifecycle_seconds`` is the length of a key's lifecycle
-    (``LEASEKEEPER_LIFECYCLE_SECONDS``).
+    randomness for namespaces and owner tokens (by default ``os.urandom``, the OS's
+    CSPRNG; tests may inject a deterministic source); ``lifecycle_seconds`` is the
+    length of a key's lifecycle (``LEASEKEEPER_LIFECYCLE_SECONDS``).
     """
 
     def __init__(
@@ -127,7 +126,7 @@ class LeaseService:
         self._cleanup_pause = cleanup_pause
         self._sleep = sleep
         self._monotonic = monotonic
-        self._random = random_bytes or BlockRandom()
+        self._random = random_bytes or os.urandom
         self._observers: list[ServiceObserver] = []
 
     @property
