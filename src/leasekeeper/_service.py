@@ -303,8 +303,6 @@ class LeaseService:
 
     async def _timed(self, operation: str, call: Awaitable[Any]) -> Any:
         """Await a store call, reporting its latency (and failure) to the observers."""
-        if not self._observers:
-            return await call
         started = time.perf_counter()
         failed = True
         try:
