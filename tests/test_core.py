@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import ast
+import enum
 import json
 import secrets as random_secrets
+import types
+import typing
 import uuid
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import leasekeeper._core
 from leasekeeper import FakeClock, InvalidRequest, PayloadTooLarge
-from leasekeeper._core import keyguess, parsing, rules, secrets, times, validation
+from leasekeeper._core import keyguess, model, parsing, rules, secrets, times, validation
 from leasekeeper._core.model import (
     Acquire,
     Complete,
@@ -631,6 +635,11 @@ class TestSecrets:
         assert secrets.fingerprint_digest(ns, key, kid, fp) == mac(
             fp_key, tag + b"fingerprint\x00" + kid + fp.encode()
         )
+        # Each namespace's keyed HMAC states are kept and copied per use: again, the same.
+        assert secrets.key_id(ns, key) == kid
+        assert secrets.fingerprint_digest(ns, key, kid, fp) == mac(
+            fp_key, tag + b"fingerprint\x00" + kid + fp.encode()
+        )
         bare = "0123456789abcdef0123456789abcdef-K"
         bare_id = secrets.key_id(None, bare)
         assert bare_id == hashlib.sha256(tag + b"bare-key\x00" + bare.encode()).digest()
@@ -686,6 +695,32 @@ def test_records_are_immutable() -> None:
     record = granted(decide_with_fence(None, acquire(), T0, Fences())).record
     with pytest.raises(AttributeError):
         record.owner = None  # type: ignore[misc]
+
+
+def test_the_model_types_equal_only_their_own_and_hold_no_cycle() -> None:
+    """Two outcomes of different types never compare equal, nor a record a tuple; and no
+    field of a model type can hold a container, so no reference cycle can form through
+    one and leaving them out of the garbage collector (``gc=False``) leaks nothing."""
+    record = granted(decide_with_fence(None, acquire(), T0, Fences())).record
+    assert Granted(record, T0) != Held(record, T0)
+    assert record != tuple(getattr(record, name) for name in record.__struct_fields__)
+
+    def leaves(kind: Any) -> list[Any]:
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            return [leaf for arg in typing.get_args(kind) for leaf in leaves(arg)]
+        return [kind]
+
+    structs = [getattr(model, name) for name in model.__all__]
+    structs = [kind for kind in structs if isinstance(kind, type)]
+    structs = [kind for kind in structs if issubclass(kind, msgspec.Struct)]
+    assert len(structs) == 13
+    for struct in structs:
+        assert struct.__struct_config__.gc is False, struct
+        for field in msgspec.structs.fields(struct):
+            for leaf in leaves(field.type):
+                assert leaf in (bytes, int, str, bool, type(None)) or issubclass(
+                    leaf, enum.Enum | msgspec.Struct
+                ), (struct, field.name, leaf)
 
 
 def test_the_core_reads_no_clock_and_does_no_io() -> None:

@@ -47,8 +47,8 @@ class RateLimiter:
         self._monotonic = monotonic
         self._max_keys = max_keys
         # Least recently used first: pop and re-insert moves a key to the end, and the
-        # first is evicted in O(1) (a dict's first key, after many deletions, is found
-        # by a scan over the holes they leave: 30 µs a new key in a full table).
+        # first is evicted in O(1) (a plain dict finds its first key, after many
+        # deletions, by scanning the holes they leave).
         self._buckets: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()
 
     @property

@@ -51,10 +51,11 @@ class Children(dict[Hashable, Callable[..., None]]):
     """One method (``"inc"``, ``"observe"``) of a labelled metric's children, by label
     value, or by a tuple of label values for several labels.
 
-    prometheus_client's ``labels()`` costs a lock and a tuple on every call; here a
-    child is looked up once, on first use, and after that ``children[labels](...)``
-    is a dict lookup. For small fixed label sets only (routes, statuses, operations,
-    outcomes): entries are never dropped.
+    ``labels()`` makes a string of each value and a tuple of them on every call; here a
+    child's method is looked up once, on first use, and after that
+    ``children[labels](...)`` is a dict lookup (a speed trick: docs/performance.md).
+    For small fixed label sets only (routes, statuses, operations, outcomes): entries
+    are never dropped.
     """
 
     def __init__(self, metric: Any, method: str) -> None:
@@ -132,13 +133,12 @@ class LoopCounter(_LoopMetric):
     """A labelled Prometheus counter for the request path, updated without a lock.
 
     prometheus_client's ``Counter`` and ``Histogram`` take a lock and check
-    themselves on every update: for the five or six updates of each lease request
-    that was about 4 µs, 8 % of a SQLite acquire's throughput (``make bench``).
-    These children are plain additions, and the registry reads them when
-    ``/metrics`` is scraped, through the same exposition (the same names, labels,
+    themselves on every update, five or six times a lease request (a speed trick:
+    docs/performance.md). These children are plain additions, read by the registry
+    when ``/metrics`` is scraped through the same exposition (the same names, labels,
     buckets and ``_created`` series). Only for metrics updated on the event loop's
-    thread, which also serves ``/metrics``: two threads adding at once could lose
-    a count.
+    thread, which also serves ``/metrics``: two threads adding at once could lose a
+    count.
     """
 
     def _child(self) -> _CounterChild:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -45,7 +46,6 @@ from leasekeeper._errors import (
     LeaseHeld,
     LeaseLost,
 )
-from leasekeeper._randomness import BlockRandom
 from leasekeeper._schemas import (
     DEFAULT_TTL_SECONDS,
     AcquireBody,
@@ -105,10 +105,9 @@ class LeaseService:
 
     ``cleanup_batch`` and ``cleanup_pause`` pace ``cleanup``; ``sleep`` and
     ``monotonic`` are its timing (tests pass fakes). ``random_bytes`` supplies the
-    randomness for namespaces and owner tokens (by default the OS's CSPRNG, read in
-    blocks: ``leasekeeper._randomness``; tests may inject a deterministic source);
-    ``lifecycle_seconds`` is the length of a key's lifecycle
-    (``LEASEKEEPER_LIFECYCLE_SECONDS``).
+    randomness for namespaces and owner tokens (by default ``os.urandom``, the OS's
+    CSPRNG; tests may inject a deterministic source); ``lifecycle_seconds`` is the
+    length of a key's lifecycle (``LEASEKEEPER_LIFECYCLE_SECONDS``).
     """
 
     def __init__(
@@ -128,7 +127,7 @@ class LeaseService:
         self._cleanup_pause = cleanup_pause
         self._sleep = sleep
         self._monotonic = monotonic
-        self._random = random_bytes or BlockRandom()
+        self._random = random_bytes or os.urandom
         self._observers: list[ServiceObserver] = []
 
     @property
@@ -305,8 +304,6 @@ class LeaseService:
 
     async def _timed(self, operation: str, call: Awaitable[Any]) -> Any:
         """Await a store call, reporting its latency (and failure) to the observers."""
-        if not self._observers:
-            return await call
         started = time.perf_counter()
         failed = True
         try:
@@ -329,12 +326,11 @@ async def clean_up_every(
     """Run ``service.cleanup()`` for ever: every ``seconds``, the first time at a random
     point of the first interval (both ``serve`` and ``leasekeeper mcp``).
 
-    Not after a whole interval first: instances started together spread out, and a
-    server restarted more often than the interval (every deploy), or a ``leasekeeper
-    mcp`` that a desktop client starts for each session, still cleans up, where waiting
-    a whole interval first never did. Each pass is logged (a failed one at WARNING, and
-    the loop goes on), then ``ran(deleted, seconds_taken)`` is called, ``deleted`` being
-    None when the pass failed.
+    The random start spreads out instances started together, and lets a server restarted
+    more often than the interval (every deploy), or a ``leasekeeper mcp`` that a desktop
+    client starts for each session, still clean up. Each pass is logged (a failed one at
+    WARNING, and the loop goes on), then ``ran(deleted, seconds_taken)`` is called,
+    ``deleted`` being None when the pass failed.
     """
     pause = seconds * random.random()  # no secret
     while True:

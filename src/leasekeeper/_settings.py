@@ -27,7 +27,7 @@ MAX_LIFECYCLE_SECONDS = 315_360_000
 #: The longest store timeout: Linux's largest TCP keepalive idle time, which it sets.
 MAX_STORE_TIMEOUT_SECONDS = 32_767
 #: The most records one cleanup step deletes: far more than a step needs, far below
-#: the 64-bit integers SQLite and PostgreSQL bind (a bigger one failed every cleanup).
+#: the 64-bit integers SQLite and PostgreSQL bind.
 MAX_CLEANUP_BATCH = 100_000
 #: LEASEKEEPER_* names that are not server settings: the client's, and the test suite's.
 _NOT_SETTINGS = frozenset(
@@ -157,10 +157,6 @@ class Settings:
         for field in rates:
             if getattr(self, field) < 0:
                 raise SettingsError(f"{name(field)} must be 0 (off) or a positive number")
-        # Past these a valid-looking value broke the server: a lifecycle of 10**16 s made
-        # every acquire a 500 (no SQLite integer holds its end) and one of 10**11 s wrote
-        # five-digit years; a store timeout over 32767 s is refused by Linux as the
-        # connections' TCP keepalive idle time, so no PostgreSQL connection ever opened.
         if self.lifecycle_seconds > MAX_LIFECYCLE_SECONDS:
             raise SettingsError(
                 f"{name('lifecycle_seconds')} must be at most {MAX_LIFECYCLE_SECONDS} (10 years)"
@@ -191,8 +187,8 @@ def _cast(name: str, raw: str, cast: Callable[[str], T]) -> T:
         kinds: dict[object, str] = {int: "a whole number", float: "a number", str: "text"}
         kind = kinds.get(cast, "a value")
         raise SettingsError(f"{name} must be {kind}") from None
-    # float() takes "nan" and "inf", which every comparison in validate() lets through
-    # (a mint rate of NaN was no limit at all).
+    # float() takes "nan" and "inf", which every comparison in _check lets through
+    # (a mint rate of NaN would be no limit at all).
     if isinstance(value, float) and not math.isfinite(value):
         raise SettingsError(f"{name} must be a finite number")
     return value

@@ -3,9 +3,8 @@
 Everything here is immutable and free of I/O. Times are integer Unix
 milliseconds; digests are raw ``bytes`` (see ``_core.secrets``).
 
-The types are frozen ``msgspec.Struct`` classes rather than frozen dataclasses: a
-frozen dataclass sets each field through ``object.__setattr__``, and building one
-``LeaseRecord`` cost 1.4 µs against 0.16 µs, several times on every request. Like
+The types are frozen ``msgspec.Struct`` classes rather than frozen dataclasses,
+which are much slower to build (a speed trick: docs/performance.md). Like
 dataclasses they compare equal only to their own type, field by field. Their fields
 hold bytes, numbers, text, enums and other such structs: no reference cycle can
 form, so they are left out of the cyclic garbage collector (``gc=False``).

@@ -28,7 +28,7 @@ def iso(ms: int) -> str:
 
 
 # Replies carry two or three such times, and under load most fall in the same few
-# seconds: formatting each second once saves most of strftime's cost.
+# seconds: each second is formatted once (a speed trick: docs/performance.md).
 @functools.lru_cache(maxsize=4096)
 def _iso_second(second: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(second))

@@ -89,8 +89,6 @@ def check_tree(root: dict[str, Any]) -> None:
     """Reject nesting deeper than MAX_DEPTH, strings with lone surrogates, and floats
     that are NaN or infinite: what the strict parser refuses and a JSON-RPC parser
     (the MCP SDK's) lets through (it reads ``NaN``, ``Infinity`` and ``1e999``)."""
-    # Only non-ASCII text can hold a surrogate: the common all-ASCII string costs one
-    # isascii() here rather than a call.
     stack: list[tuple[Any, int]] = [(root, 1)]
     while stack:
         node, depth = stack.pop()
@@ -98,15 +96,13 @@ def check_tree(root: dict[str, Any]) -> None:
             raise InvalidRequest(f"Body nests deeper than {MAX_DEPTH} levels")
         if isinstance(node, dict):
             for name in node:
-                if not name.isascii():
-                    _check_surrogates(name)
+                _check_surrogates(name)
             children = node.values()
         else:
             children = node
         for child in children:
             if isinstance(child, str):
-                if not child.isascii():
-                    _check_surrogates(child)
+                _check_surrogates(child)
             elif isinstance(child, dict | list):
                 stack.append((child, depth + 1))
             elif isinstance(child, float) and not math.isfinite(child):
