@@ -756,6 +756,76 @@ def test_readiness_needs_a_writable_database_and_the_fence_sequence(
     asyncio.run(main())
 
 
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (
+            "ALTER TABLE leasekeeper_leases DROP COLUMN owner",
+            "its table leasekeeper_leases is not leasekeeper's (it lacks the column owner)",
+        ),
+        (
+            "ALTER TABLE leasekeeper_leases ADD COLUMN extra int NOT NULL DEFAULT 0",
+            "its table leasekeeper_leases is not leasekeeper's (it has columns leasekeeper "
+            "does not make: extra)",
+        ),
+        (
+            "ALTER TABLE leasekeeper_leases ALTER COLUMN result TYPE jsonb USING result::jsonb",
+            "its table leasekeeper_leases is not leasekeeper's (it has columns of other types",
+        ),
+        (
+            "ALTER TABLE leasekeeper_meta DROP CONSTRAINT leasekeeper_meta_pkey",
+            "its table leasekeeper_meta is not leasekeeper's (it has columns of other types",
+        ),
+        (
+            "UPDATE leasekeeper_meta SET value = 0 WHERE name = 'schema_version'",
+            "its schema version is 0, and this leasekeeper's is 1",
+        ),
+    ],
+    ids=["missing column", "extra column", "other type", "no primary key", "old version"],
+)
+def test_a_schema_whose_tables_are_not_as_leasekeeper_makes_them_is_not_ready_nor_opened(
+    make_store: StoreFactory, url: str, change: str, why: str
+) -> None:
+    """A table missing a column (or with one more, or of another type, or without its
+    key), or another schema version: ping (/readyz) fails saying so while the store is
+    open, and the store refuses to open, rather than answer every acquire 503."""
+    store = make_store("postgres", max_size=1)
+    schema = store.schema  # type: ignore[attr-defined]
+
+    async def main() -> None:
+        async with opened(store):
+            await store.ping()
+            with admin(url) as conn:
+                conn.execute(f"SET search_path = {schema}")
+                conn.execute(change)
+            with pytest.raises(ServiceUnavailable) as refused:
+                await store.ping()
+            assert refused.value.error.startswith("The lease store cannot decide: ")
+            assert why in refused.value.error
+        reopened = make_store("postgres", like=store)
+        with pytest.raises(ServiceUnavailable) as refused:
+            await reopened.open()
+        assert refused.value.error.startswith("Cannot open the PostgreSQL store: ")
+        assert why in refused.value.error
+
+    asyncio.run(main())
+
+
+def test_another_programs_tables_of_the_same_names_are_left_alone(
+    make_store: StoreFactory, url: str
+) -> None:
+    """A schema holding another program's table named leasekeeper_leases is not taken for
+    a store: opening fails before anything is created beside it."""
+    store = make_store("postgres")
+    schema = store.schema  # type: ignore[attr-defined]
+    with admin(url) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+        conn.execute(f"CREATE TABLE {schema}.leasekeeper_leases (id int PRIMARY KEY)")
+    with pytest.raises(ServiceUnavailable, match="it lacks the columns key_id, fingerprint"):
+        asyncio.run(store.open())
+    assert relations_in(url, schema) == 2  # the table and its key's index, nothing more
+
+
 def test_readiness_fails_while_the_database_refuses_writes_for_want_of_room(
     make_store: StoreFactory, clock: FakeClock, url: str
 ) -> None:

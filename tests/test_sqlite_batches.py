@@ -1005,6 +1005,98 @@ def _open_is_refused(path: Path, why: str = "") -> None:
     asyncio.run(main())
 
 
+@pytest.mark.parametrize(
+    ("tables", "why"),
+    [
+        (
+            "CREATE TABLE leases (key_id BLOB PRIMARY KEY, data TEXT);",
+            "its table leases is not leasekeeper's (it lacks the columns fingerprint, ",
+        ),
+        (
+            "CREATE TABLE meta (k TEXT, v TEXT);",
+            "its table meta is not leasekeeper's (it lacks the columns name, value)",
+        ),
+        (
+            SCHEMA.replace("result              TEXT,", "result              TEXT, extra,"),
+            "its table leases is not leasekeeper's (it has columns leasekeeper does not "
+            "make: extra)",
+        ),
+        (
+            SCHEMA.replace("value INTEGER NOT NULL", "value TEXT"),
+            "its table meta is not leasekeeper's (it has columns of other types",
+        ),
+        (
+            SCHEMA + "INSERT INTO meta VALUES ('schema_version', 0);",
+            "its schema version is 0, and this leasekeeper's is 1",
+        ),
+    ],
+    ids=["foreign leases", "foreign meta", "extra column", "other type", "old version"],
+)
+def test_a_file_whose_tables_are_not_leasekeepers_is_refused_at_open(
+    tmp_path: Path, tables: str, why: str
+) -> None:
+    """A file holding another program's tables named leases or meta (or ours, changed)
+    is not taken for a store: opening it fails, saying which table is not as leasekeeper
+    makes it, and nothing is written to it."""
+    path = tmp_path / "foreign.db"
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.executescript(tables)
+        before = list(conn.iterdump())
+    _open_is_refused(path, why)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert list(conn.iterdump()) == before
+
+
+def test_readiness_needs_the_tables_the_schema_version_and_the_fence_counter(
+    tmp_path: Path,
+) -> None:
+    """ping (``/readyz``) fails, saying why, while the running store's file holds another
+    table of the name leases, a schema version it does not know, or no fencing counter:
+    no decision could be made. Put right, it succeeds at once."""
+    path = tmp_path / "changed.db"
+
+    async def main() -> None:
+        store = SqliteStore(path, FakeClock(), timeout_seconds=1)
+        await store.open()
+        try:
+            await store.ping()
+            with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as other:
+                changes = [
+                    (
+                        "ALTER TABLE leases RENAME TO kept; CREATE TABLE leases (x INTEGER);",
+                        "its table leases is not leasekeeper's (it lacks the columns key_id, ",
+                        "DROP TABLE leases; ALTER TABLE kept RENAME TO leases;",
+                    ),
+                    (
+                        "ALTER TABLE leases RENAME TO kept;",
+                        "it has no table leases",
+                        "ALTER TABLE kept RENAME TO leases;",
+                    ),
+                    (
+                        "UPDATE meta SET value = 2 WHERE name = 'schema_version';",
+                        "its schema version is 2, and this leasekeeper's is 1",
+                        "UPDATE meta SET value = 1 WHERE name = 'schema_version';",
+                    ),
+                    (
+                        "DELETE FROM meta WHERE name = 'fence';",
+                        "its fencing counter cannot be read",
+                        "INSERT INTO meta VALUES ('fence', 0);",
+                    ),
+                ]
+                for change, why, undo in changes:
+                    other.executescript(change)
+                    with pytest.raises(ServiceUnavailable) as refused:
+                        await store.ping()
+                    assert refused.value.error.startswith("The lease store cannot decide: ")
+                    assert why in refused.value.error
+                    other.executescript(undo)
+                    await store.ping()
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("why", ["not a database", "write lock held elsewhere"])
 def test_a_store_that_cannot_be_opened_closes_its_connection(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, why: str

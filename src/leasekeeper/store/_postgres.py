@@ -238,7 +238,9 @@ class PostgresStore:
 
     async def ping(self) -> None:
         """Whether calls can be served: the table can be read (a blocked table reads as
-        "cannot serve"), and written (``CAN_WRITE``), else ``ServiceUnavailable``."""
+        "cannot serve"), and written (``CAN_WRITE``), and the tables, their columns, the
+        schema version and the fencing counter are as this leasekeeper makes them (a
+        decision could be made), else ``ServiceUnavailable``."""
         self._refusals.check()
 
         async def run(conn: Connection, attempt: Attempt[None]) -> None:
@@ -249,6 +251,9 @@ class PostgresStore:
                 raise ServiceUnavailable("The PostgreSQL database is read-only")
             if not sequence:
                 raise ServiceUnavailable("The PostgreSQL fencing sequence is missing")
+            problem = await sql.schema_problem(conn)
+            if problem is not None:
+                raise ServiceUnavailable(f"The lease store cannot decide: {problem}")
 
         await self._run("ping", run)
 

@@ -218,13 +218,17 @@ class SqliteStore:
         return counter
 
     async def ping(self) -> None:
-        """The thread answers a query, and no write was refused lately (``Refusals``)."""
+        """The thread can begin a write, the tables, their columns, the schema version
+        and the fencing counter are as this leasekeeper makes them (a decision could be
+        made), and no write was refused lately (``Refusals``)."""
         self._refusals.check()
 
         def run(conn: sqlite3.Connection) -> None:
             if self._refuse_moved():
                 raise _not_durable()
-            conn.execute("SELECT 1").fetchone()
+            problem = sql.schema_problem(conn)
+            if problem is not None:
+                raise ServiceUnavailable(f"The lease store cannot decide: {problem}")
 
         await self._submit(run)
 
