@@ -22,7 +22,7 @@ from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 import pytest
 
-from leasekeeper import FakeClock, ServiceUnavailable
+from leasekeeper import FakeClock, OutcomeUnknown, ServiceUnavailable
 from leasekeeper._core.model import (
     Acquire,
     Complete,
@@ -1688,6 +1688,114 @@ def test_a_commit_that_never_arrived_is_decided_again(
 
     asyncio.run(main())
     assert "a cut-off COMMIT had not taken effect; deciding again" in caplog.text
+
+
+def test_a_cut_off_commit_whose_rows_cannot_be_read_back_has_an_unknown_outcome(
+    make_store: StoreFactory,
+    url: str,
+    target: tuple[str, int],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A COMMIT reaches the server, its answer is lost, and reading the rows back fails
+    too: the caller is told the outcome is unknown ("outcome": "unknown"), never a
+    plain 503, which would say nothing was written. Here the grant had landed."""
+
+    async def main() -> None:
+        relay = Relay(*target)
+        port = await relay.start()
+        store = make_store("postgres", url=url_with(url, port=port), timeout_seconds=3)
+        try:
+            async with opened(store):
+
+                async def unreadable(*args: Any) -> set[bytes]:
+                    raise psycopg.OperationalError("the lookup's connection failed too")
+
+                store._runner.landed = unreadable  # type: ignore[attr-defined]
+                key = new_id()
+                relay.trap(COMMIT_MESSAGE, deliver=True)
+                with pytest.raises(OutcomeUnknown) as unknown:
+                    await store.apply(acquire(key))
+                assert relay.trapped
+                assert unknown.value.body()["outcome"] == "unknown"
+                assert "could not be read back" in unknown.value.error
+                again = await store.apply(acquire(key))
+                assert isinstance(again.outcome, Held)  # it had landed: unknown was right
+        finally:
+            await relay.stop()
+
+    with caplog.at_level(logging.WARNING, logger="leasekeeper.store.postgres"):
+        asyncio.run(main())
+    assert "its callers are told the outcome is unknown" in caplog.text
+
+
+def test_a_commit_whose_answer_never_comes_has_an_unknown_outcome_a_timeout_later(
+    make_store: StoreFactory, url: str, target: tuple[str, int]
+) -> None:
+    """A COMMIT is sent and nothing ever comes back on its connection (a server that
+    stopped): at the deadline the batch is not given up on as if nothing was written;
+    one timeout later its caller is told the outcome is unknown."""
+
+    async def main() -> None:
+        relay = Relay(*target)
+        port = await relay.start()
+        store = make_store("postgres", url=url_with(url, port=port), timeout_seconds=1)
+        try:
+            async with opened(store):
+                relay.trap(COMMIT_MESSAGE, deliver=True, hold=True)
+                started = time.monotonic()
+                with pytest.raises(OutcomeUnknown):
+                    await store.apply(acquire())
+                assert 1.9 < time.monotonic() - started < 4
+        finally:
+            await relay.stop()
+
+    asyncio.run(main())
+
+
+class OnePool:
+    """A pool of one fake connection, for ``Runner`` alone."""
+
+    broken = closed = False
+
+    @contextlib.asynccontextmanager
+    async def connection(self, **options: float) -> AsyncIterator[Any]:
+        yield self
+
+
+def test_a_run_given_up_on_lets_no_attempt_commit_and_one_committing_is_waited_for() -> None:
+    """At its deadline a run whose attempt has not begun to COMMIT answers 503 and
+    abandons the run: that attempt can no longer COMMIT (it must roll back). One whose
+    attempt has begun to COMMIT is waited for, and its own answer is the caller's."""
+    from leasekeeper.store._base import Refusals, Throttled
+    from leasekeeper.store._postgres_run import Attempt, Runner
+
+    log = logging.getLogger("test")
+    runner = Runner(0.1, Throttled(log, logging.INFO, lambda: 0), Refusals(lambda: 0))
+    asked: list[bool] = []
+
+    async def slow_then_commit(conn: Any, attempt: Attempt[str]) -> str:
+        try:
+            await asyncio.sleep(1)
+        finally:
+            asked.append(attempt.may_commit())
+        return "committed"
+
+    async def commit_then_slow(conn: Any, attempt: Attempt[str]) -> str:
+        assert attempt.may_commit()
+        await asyncio.sleep(0.15)  # past the deadline, within one more timeout
+        return "committed"
+
+    async def main() -> None:
+        pool: Any = OnePool()
+        with pytest.raises(ServiceUnavailable, match="did not answer in time") as late:
+            await runner.run(pool, "apply", slow_then_commit)
+        assert not isinstance(late.value, OutcomeUnknown)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert asked == [False]
+        assert await runner.run(pool, "apply", commit_then_slow) == "committed"
+
+    asyncio.run(main())
 
 
 def test_closing_answers_every_queued_request(make_store: StoreFactory) -> None:

@@ -25,7 +25,7 @@ from unittest import mock
 
 import pytest
 
-from leasekeeper import FakeClock, InternalError, ServiceUnavailable
+from leasekeeper import FakeClock, InternalError, OutcomeUnknown, ServiceUnavailable
 from leasekeeper._core.model import (
     Acquire,
     Complete,
@@ -588,6 +588,60 @@ def test_no_answer_before_the_fsync_of_the_wal_and_the_next_batch_does_not_wait(
     asyncio.run(main())
 
 
+def test_a_batch_whose_fsync_hangs_has_an_unknown_outcome_a_timeout_after_its_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch committed and waiting for an fsync that does not come (a disk that hangs)
+    is not answered 503 at its deadline, as if nothing were written: its write is in the
+    file. A timeout later its caller is told the outcome is unknown."""
+    gate = GatedFsync(monkeypatch)
+
+    async def main() -> None:
+        store = SqliteStore(
+            tmp_path / "h.db", FakeClock(), fsync_process=False, timeout_seconds=0.3
+        )
+        await store.open()
+        try:
+            gate.armed.set()
+            started = time.monotonic()
+            waiting = queue_acquire(store)
+            assert await asyncio.to_thread(gate.entered.wait, 10)
+            with pytest.raises(OutcomeUnknown):
+                await waiting
+            assert 0.55 < time.monotonic() - started < 2
+        finally:
+            gate.release.set()
+            await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_batch_that_gets_the_lock_at_its_deadline_is_answered_with_its_decisions(
+    tmp_path: Path,
+) -> None:
+    """The writer's thread waits for a lock held elsewhere until the batch's deadline at
+    most; a batch that gets it just before commits and is answered with its grants once
+    fsynced, even a little after its deadline (nobody else answers a claimed call)."""
+    path = tmp_path / "edge.db"
+
+    async def main() -> None:
+        store = SqliteStore(path, FakeClock(), timeout_seconds=0.18)
+        await store.open()
+        try:
+            with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as other:
+                other.execute("BEGIN EXCLUSIVE")
+                calls = [queue_acquire(store) for _ in range(5)]
+                # SQLite's busy handler looks again 178 ms after the lock was found taken.
+                await asyncio.sleep(0.15)
+                other.execute("COMMIT")
+            outcomes = [(await call).outcome for call in calls]
+            assert all(isinstance(outcome, Granted) for outcome in outcomes)
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
 def test_the_fsync_is_of_the_wal_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the syncer fsyncs before answering is the WAL, where a COMMIT writes: once
     as the store opens (a store that cannot fsync does not open), then for each batch,
@@ -694,8 +748,9 @@ def test_a_failed_fsync_refuses_its_batches_and_everything_after(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """After a failed fsync the kernel may have dropped the pages it could not write,
-    so a later fsync proves nothing: the batches it covered, the batch committed while
-    it ran, and every later call get 503, and no fsync is tried again."""
+    so a later fsync proves nothing: the batches it covered and the batch committed
+    while it ran get 503 with an unknown outcome (committed, they may survive or not),
+    every later call a plain 503 (nothing written), and no fsync is tried again."""
 
     def failing(fd: int) -> None:
         raise OSError(errno.EIO, "Input/output error")
@@ -713,10 +768,11 @@ def test_a_failed_fsync_refuses_its_batches_and_everything_after(
             await asyncio.sleep(0)
         gate.release.set()
         for future in (first, second):
-            with pytest.raises(ServiceUnavailable, match="durable"):
+            with pytest.raises(OutcomeUnknown, match="durable"):
                 await future
-        with pytest.raises(ServiceUnavailable, match="durable"):
+        with pytest.raises(ServiceUnavailable, match="durable") as refused:
             await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        assert not isinstance(refused.value, OutcomeUnknown)
         with pytest.raises(ServiceUnavailable):
             await store.ping()
         await store.close()

@@ -18,7 +18,6 @@ in ``make test``; the soak version repeats it many more times.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import sqlite3
 from collections.abc import Callable
@@ -108,9 +107,7 @@ async def one_round(service: LeaseService, holder: Holder, ns: str, let_go_at: f
         elif isinstance(outcome, ServiceUnavailable):
             tally.refused += 1
             try:
-                await service.handle(
-                    "acquire", {"namespace": ns, "key": key, "ttl_seconds": 3600}
-                )
+                await service.handle("acquire", {"namespace": ns, "key": key, "ttl_seconds": 3600})
             except LeaseHeld:
                 tally.ghosts += 1
         elif isinstance(outcome, BaseException):

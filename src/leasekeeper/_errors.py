@@ -258,8 +258,7 @@ class OutcomeUnknown(ServiceUnavailable):
     """
 
     default_message = (
-        "The outcome of this request is unknown: the lease store may or may not have "
-        "applied it"
+        "The outcome of this request is unknown: the lease store may or may not have applied it"
     )
 
     def body(self) -> dict[str, Any]:
