@@ -280,6 +280,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def soak_scale() -> float:
+    """How much of each soak run to do: ``LEASEKEEPER_SOAK_SCALE`` (1, all of it, by
+    default; 0.02 tries the runs out in a fiftieth of the time)."""
+    return float(os.environ.get("LEASEKEEPER_SOAK_SCALE") or 1)
+
+
 #: One line per fault or load run (tests/test_faults.py), printed at the end of the session.
 RUN_SUMMARIES: list[str] = []
 

@@ -14,6 +14,10 @@ where the service provably broke one of its promises:
     a renew, release or complete answered with another fence than its owner's grant;
 ``fence-went-back``
     a ``held`` or ``completed`` answer shows a fence lower than one already granted;
+``ghost-owner``
+    a ``held`` or ``completed`` answer shows a fence that no acquire of the key was
+    granted in an answer, while no acquire whose outcome is unknown had been sent: a
+    lease granted to a request answered 503 (which says nothing was written);
 ``stale-mutation``
     a renew, release or complete was accepted from an owner that had provably lost
     the lease: it had expired, it was released or completed, or a newer owner (a
@@ -35,10 +39,12 @@ no break was observable, and a flagged one is a real break)::
 1. Client times are ``time.monotonic()`` seconds. On one host every process shares
    that clock (Linux ``CLOCK_MONOTONIC``), so merged histories order correctly.
 2. An operation takes effect at one instant between its invocation and its
-   completion. One whose answer was lost (timeout, connection dropped, 5xx) is
-   ``unknown``: it may have taken effect at any instant after its invocation, or
-   never. One refused before it was sent (connection refused) or answered 4xx
-   had no effect.
+   completion. One whose answer was lost (timeout, connection dropped), or answered
+   a 5xx that is not the service's 503 saying nothing was written (a 500, a 503 with
+   ``"outcome": "unknown"``, a proxy's page) is ``unknown``: it may have taken effect
+   at any instant after its invocation, or never. One refused before it was sent
+   (connection refused), answered 4xx, or answered the service's plain 503 had no
+   effect (the contract: a 503 means nothing was written).
 3. The server's clock is wall-clock time; ``offset`` (``time.time() -
    time.monotonic()`` on the recording host) maps server seconds into the
    clients' monotonic frame, and the two clocks agree to within ``skew`` seconds
@@ -247,6 +253,8 @@ class Recorder:
                 parsed = None
             code = response.status_code
             outcome: Outcome = "ok" if code < 300 else "fail" if code < 500 else "unknown"
+            if code == 503 and _nothing_written(parsed):
+                outcome = "fail"
             op = self._op(kind, key, body, invoke, complete, outcome, code, parsed)
         with self._lock:
             self.ops.append(op)
@@ -280,6 +288,16 @@ class Recorder:
             fingerprint=body.get("fingerprint"),
             result=body.get("result"),
         )
+
+
+def _nothing_written(body: Any) -> bool:
+    """Whether a 503's body is the service's saying nothing was written: ``unavailable``,
+    without ``"outcome": "unknown"``."""
+    return (
+        isinstance(body, dict)
+        and body.get("status") == "unavailable"
+        and body.get("outcome") != "unknown"
+    )
 
 
 # -- the checker ---------------------------------------------------------------------------
@@ -391,6 +409,9 @@ class _Key:
                     owner,
                     op,
                 )
+        granted = {grant.fence for grant in self.grants}
+        unknown = [op.invoke for op in self.ops if op.kind == "acquire" and op.outcome == "unknown"]
+        first_unknown = min(unknown, default=INF)
         for op in self.ops:
             shows_current = op.completed_answer or (
                 op.kind == "acquire"
@@ -399,6 +420,13 @@ class _Key:
             )
             if not shows_current or op.fence is None:
                 continue
+            if op.fence not in granted and op.end <= first_unknown:
+                self.flag(
+                    "ghost-owner",
+                    f"{op.kind} showed fence {op.fence}, which no acquire was granted in an "
+                    "answer, and no acquire whose outcome is unknown was sent before",
+                    op,
+                )
             before, witness = self.highest_fence_before(op.invoke)
             if witness is not None and op.fence < before:
                 self.flag(

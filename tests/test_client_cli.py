@@ -26,6 +26,7 @@ from leasekeeper._errors import (
     LeaseLost,
     MethodNotAllowed,
     NotFound,
+    OutcomeUnknown,
     PayloadTooLarge,
     RateLimited,
     RequestTimeout,
@@ -42,6 +43,7 @@ from leasekeeper.client.cli._output import (
     EXIT_INVALID,
     EXIT_LOST,
     EXIT_UNAVAILABLE,
+    EXIT_UNKNOWN,
     exit_code,
     print_json,
 )
@@ -206,12 +208,45 @@ def test_invalid_and_unreachable_have_their_codes(cli: Cli) -> None:
     assert cli.json(down)["status"] == "unreachable"
 
 
+def test_an_acquire_whose_outcome_is_unknown_exits_16_and_run_does_not_start(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """A 503 with "outcome": "unknown" (the store lost its commit's answer) is neither
+    "held" (10) nor "retry later" (14): acquire and run exit 16 with the service's body,
+    and run does not start its command, which may hold the key under a lost token."""
+    unknown = {
+        "ok": False,
+        "status": "unavailable",
+        "error": "its outcome is unknown",
+        "retry_after_seconds": 1,
+        "outcome": "unknown",
+    }
+
+    def lost_commit(request: httpx.Request) -> httpx.Response | None:
+        if request.url.path.endswith("/lease"):
+            return httpx.Response(503, json=unknown)
+        return None
+
+    cli.client = lambda url=BASE_URL, timeout=10.0: LeaseClient(  # type: ignore[method-assign]
+        BASE_URL, transport=bridge(cli.api, lost_commit), timeout=timeout
+    )
+    acquired = cli("acquire", "--key", "u")
+    assert acquired.exit_code == EXIT_UNKNOWN == 16
+    assert cli.json(acquired) == unknown
+    marker = tmp_path / "ran"
+    ran = cli("run", "--key", "u", "--", "touch", str(marker))
+    assert ran.exit_code == EXIT_UNKNOWN
+    assert orjson.loads(ran.stderr.strip().splitlines()[-1]) == unknown
+    assert not marker.exists()
+
+
 @pytest.mark.parametrize(
     ("error", "code"),
     [
         (RequestTimeout(), EXIT_UNAVAILABLE),  # slow to arrive: sent again, it may not be
         (RateLimited(), EXIT_UNAVAILABLE),
         (ServiceUnavailable(), EXIT_UNAVAILABLE),
+        (OutcomeUnknown(), EXIT_UNKNOWN),  # not "retry later": it may have taken effect
         (InvalidRequest(), EXIT_INVALID),
         (PayloadTooLarge(), EXIT_INVALID),
         (NotFound(), EXIT_ERROR),  # a wrong URL path: an unexpected response, not bad input

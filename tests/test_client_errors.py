@@ -12,6 +12,7 @@ import pytest
 
 from leasekeeper import (
     AsyncLeaseClient,
+    FakeClock,
     FingerprintConflict,
     InternalError,
     InvalidRequest,
@@ -22,6 +23,7 @@ from leasekeeper import (
     LeaseLost,
     MethodNotAllowed,
     NotFound,
+    OutcomeUnknown,
     PayloadTooLarge,
     RateLimited,
     RequestTimeout,
@@ -30,12 +32,14 @@ from leasekeeper import (
     StaleFence,
 )
 from leasekeeper._errors import error_from_body
+from leasekeeper.client import Lease
 from leasekeeper.client._http import (
     DEFAULT_TIMEOUT,
     MAX_RESPONSE_BYTES,
     read_response,
     renewal_timeout,
 )
+from tests.client_fakes import BASE_URL, FakeTime, bridge
 
 SERVICE_ERRORS: list[LeaseError] = [
     InvalidRequest("ttl_seconds must be an integer from 1 to 86400"),
@@ -458,5 +462,121 @@ def test_a_timeout_of_none_or_an_httpx_timeout_still_works(timeout: Any) -> None
         transport = httpx.MockTransport(lambda request: httpx.Response(201, json=body))
         async with AsyncLeaseClient("http://lk.test", transport=transport, timeout=timeout) as c:
             assert await c.create_namespace() == body["namespace"]
+
+    asyncio.run(scenario())
+
+
+# -- an outcome the service could not learn -----------------------------------------------
+
+UNKNOWN_BODY = {
+    "ok": False,
+    "status": "unavailable",
+    "error": "The lease store's connection failed while it committed this write, and the "
+    "write could not be read back: its outcome is unknown",
+    "retry_after_seconds": 1,
+    "outcome": "unknown",
+}
+
+
+def test_an_unknown_outcome_round_trips_and_is_told_apart_from_a_503() -> None:
+    """A 503 body with "outcome": "unknown" is ``OutcomeUnknown``, a ServiceUnavailable
+    whose body says so; one without it is a plain ServiceUnavailable: nothing written."""
+    unknown = error_from_body(UNKNOWN_BODY, http_status=503)
+    assert type(unknown) is OutcomeUnknown
+    assert isinstance(unknown, ServiceUnavailable)
+    assert unknown.body() == UNKNOWN_BODY
+    assert error_from_body(unknown.body()).body() == UNKNOWN_BODY
+    plain = error_from_body({**UNKNOWN_BODY, "outcome": "known"}, http_status=503)
+    assert type(plain) is ServiceUnavailable
+    assert "outcome" not in ServiceUnavailable().body()
+    assert OutcomeUnknown().body()["outcome"] == "unknown"
+
+
+def _granted_then_unknown(api: Any, *, lands: bool) -> Any:
+    """A ``bridge`` fault: the first acquire reaches the app (granted there) when
+    ``lands``, and is answered 503 "outcome": "unknown" either way."""
+    inner = bridge(api)
+    left = [1]
+
+    def fault(request: httpx.Request) -> httpx.Response | None:
+        if request.url.path.endswith("/lease") and left[0]:
+            left[0] -= 1
+            if lands:
+                inner.handle_request(request)
+            return httpx.Response(503, json=UNKNOWN_BODY, headers={"retry-after": "1"})
+        return None
+
+    return fault
+
+
+def _client(api: Any, clock: FakeClock, fault: Any) -> tuple[LeaseClient, FakeTime]:
+    fake_time = FakeTime(clock)
+    client = LeaseClient(
+        BASE_URL,
+        transport=bridge(api, fault),
+        monotonic=fake_time.monotonic,
+        event_factory=fake_time.event,
+        random=lambda: 0.0,
+    )
+    return client, fake_time
+
+
+def test_an_acquire_whose_outcome_is_unknown_is_never_reported_not_acquired(
+    api: Any, clock: FakeClock
+) -> None:
+    """acquire, lease and once raise OutcomeUnknown, not LeaseHeld, when an attempt's
+    outcome was unknown and the key is then found held (by that attempt's lease, here):
+    without a wait at once, with one when it runs out. once does not run the function."""
+    namespace = api.namespace()
+    ran: list[str] = []
+    for key, call in [
+        ("a", lambda c: c.acquire(namespace, "a")),
+        ("b", lambda c: c.acquire(namespace, "b", wait=5)),
+        ("c", lambda c: c.lease(namespace, "c", wait=5).__enter__()),
+        ("d", lambda c: c.once(namespace, key="d", wait=5)(ran.append)("run")),
+    ]:
+        client, _ = _client(api, clock, _granted_then_unknown(api, lands=True))
+        with client:
+            with pytest.raises(OutcomeUnknown) as raised:
+                call(client)
+            assert raised.value.body()["outcome"] == "unknown"
+            with pytest.raises(LeaseHeld):  # the lost grant does hold the key
+                client.acquire(namespace, key)
+        if key != "a":  # waited, and found the key held: said why it is not "held"
+            assert "until its TTL ends" in raised.value.error
+    assert not ran
+
+
+def test_an_acquire_whose_unknown_attempt_had_not_landed_is_granted_on_a_retry(
+    api: Any, clock: FakeClock
+) -> None:
+    """Waiting retries an unknown outcome like any 503: when the attempt had not taken
+    effect, the next one is granted."""
+    namespace = api.namespace()
+    client, fake_time = _client(api, clock, _granted_then_unknown(api, lands=False))
+    with client:
+        lease = client.acquire(namespace, "k", wait=5)
+    assert isinstance(lease, Lease)
+    assert fake_time.waits == [1]
+
+
+def test_the_async_client_never_reports_an_unknown_acquire_as_not_acquired(
+    api: Any, clock: FakeClock
+) -> None:
+    """The async client's acquire, as the sync one's."""
+    namespace = api.namespace()
+    fake_time = FakeTime(clock)
+
+    async def scenario() -> None:
+        transport = bridge(api, _granted_then_unknown(api, lands=True))
+        async with AsyncLeaseClient(
+            BASE_URL,
+            transport=transport,
+            monotonic=fake_time.monotonic,
+            signal_factory=fake_time.signal,
+            random=lambda: 0.0,
+        ) as client:
+            with pytest.raises(OutcomeUnknown):
+                await client.acquire(namespace, "k", wait=5)
 
     asyncio.run(scenario())

@@ -2,14 +2,18 @@
 
 Each run prints one summary line (collected in ``conftest.RUN_SUMMARIES`` and shown at
 the end of the session). The fast versions run in ``make test``; the long ones are
-``soak`` runs (``make soak``). Every run is parametrized by store: SQLite, and
-PostgreSQL with two service instances.
+``soak`` runs (``make soak``): the contention run to 100,000 operations on each store,
+the crash loop to 200 kills on SQLite and 100 on PostgreSQL (``LEASEKEEPER_SOAK_SCALE``
+does a part of each). Every run is parametrized by store: SQLite, and PostgreSQL with
+two service instances.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import math
 import random
 import sqlite3
 import subprocess
@@ -120,15 +124,24 @@ def server_errors(log: Path) -> list[str]:
 class Contention:
     processes: int
     threads: int
+    #: How long the run lasts; with ``operations``, the most it may last.
     seconds: float
     keys: int
     lifecycle: int
     label: str
+    #: Run until this many operations, shared out between the threads.
+    operations: int | None = None
 
 
 FAST_CONTENTION = Contention(processes=4, threads=3, seconds=7, keys=4, lifecycle=3, label="fast")
 SOAK_CONTENTION = Contention(
-    processes=6, threads=4, seconds=180, keys=4, lifecycle=10, label="soak"
+    processes=6,
+    threads=4,
+    seconds=1500,
+    keys=4,
+    lifecycle=10,
+    label="soak",
+    operations=100_000,
 )
 
 
@@ -138,6 +151,9 @@ def contention_run(kind: str, tmp_path: Path, plan: Contention) -> None:
         "LEASEKEEPER_LIFECYCLE_SECONDS": str(plan.lifecycle),
         "LEASEKEEPER_CLEANUP_INTERVAL_SECONDS": "1",
     }
+    quota = {}
+    if plan.operations is not None:
+        quota["max_ops"] = math.ceil(plan.operations / (plan.processes * plan.threads))
     with store_target(kind, tmp_path) as target, workers(tmp_path) as run:
         logs = [tmp_path / f"server-{i}.log" for i in range(instances)]
         servers = [start_server(target.url, log, env) for log in logs]
@@ -154,6 +170,7 @@ def contention_run(kind: str, tmp_path: Path, plan: Contention) -> None:
                 seed=random.randrange(1 << 30),
                 ttl_min=1,
                 ttl_max=2,
+                **quota,
             )
             history = run.history(timeout=plan.seconds + 60)
             metrics = httpx.get(servers[0].url + "/metrics", timeout=10).text
@@ -167,13 +184,17 @@ def contention_run(kind: str, tmp_path: Path, plan: Contention) -> None:
         if op.granted
     }
     stale_refused = sum(1 for op in history.ops if op.kind != "acquire" and op.status == 409)
+    seconds = max((op.complete or op.invoke for op in history.ops), default=0.0) - min(
+        (op.invoke for op in history.ops), default=0.0
+    )
     label = (
         f"contention {plan.label} store={kind} instances={instances} processes={plan.processes} "
-        f"threads={plan.threads} seconds={plan.seconds:g} keys={plan.keys} "
+        f"threads={plan.threads} seconds={seconds:.0f} keys={plan.keys} "
         f"lifecycles={len(lifecycles)} lost_refused={stale_refused}"
     )
     conftest.RUN_SUMMARIES.append(result.summary(label))
     assert result.violations == [], [str(v) for v in result.violations[:20]]
+    assert plan.operations is None or result.operations >= plan.operations, "ran out of time"
     assert result.grants > 0 and result.completes > 0
     # No faults are injected: only a machine too loaded for the 5 s timeouts loses answers.
     assert result.unknown <= result.operations // 100
@@ -192,8 +213,9 @@ def test_contention_on_hot_keys_keeps_every_promise(kind: str, tmp_path: Path) -
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("kind", STORES)
 def test_contention_soak(kind: str, tmp_path: Path) -> None:
-    """The contention run for minutes, with more processes and lifecycles."""
-    contention_run(kind, tmp_path, SOAK_CONTENTION)
+    """The contention run to 100,000 operations, with more processes and lifecycles."""
+    operations = round(100_000 * conftest.soak_scale())
+    contention_run(kind, tmp_path, dataclasses.replace(SOAK_CONTENTION, operations=operations))
 
 
 # -- crash loop --------------------------------------------------------------------------
@@ -208,7 +230,10 @@ class Crash:
 
 
 FAST_CRASH = Crash(kills=3, processes=2, threads=2, label="fast")
-SOAK_CRASH = Crash(kills=30, processes=3, threads=4, label="soak")
+SOAK_CRASH = {
+    "sqlite": Crash(kills=200, processes=3, threads=4, label="soak"),
+    "postgres": Crash(kills=100, processes=3, threads=4, label="soak"),
+}
 
 
 def _states(ops: list[Op]) -> tuple[set[tuple[Any, ...]], list[str]]:
@@ -382,11 +407,13 @@ def test_crash_loop_loses_no_acknowledged_write(kind: str, tmp_path: Path) -> No
 
 
 @pytest.mark.soak
-@pytest.mark.timeout(1800)
+@pytest.mark.timeout(2700)
 @pytest.mark.parametrize("kind", STORES)
 def test_crash_loop_soak(kind: str, tmp_path: Path) -> None:
-    """The crash loop with 30 kills and more load."""
-    crash_run(kind, tmp_path, SOAK_CRASH)
+    """The crash loop with 200 kills on SQLite, 100 on PostgreSQL, and more load."""
+    plan = SOAK_CRASH[kind]
+    kills = max(1, round(plan.kills * conftest.soak_scale()))
+    crash_run(kind, tmp_path, dataclasses.replace(plan, kills=kills))
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ are the same numbers, so ``expires=10`` means a reported expiry of 10 s.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -222,6 +223,10 @@ CLEAN: dict[str, list[Op]] = {
         grant("A", 1, 0.0, 0.1, 10),
         grant("B", 2, 1.0, 1.1, 10, key="other"),
     ],
+    "a key held by an acquire whose outcome is unknown": [
+        grant("X", 0, 1.0, None, 0, outcome="unknown"),
+        held(2.0, 2.1, 5),
+    ],
 }
 
 
@@ -324,6 +329,15 @@ BROKEN: dict[str, tuple[str, list[Op]]] = {
             replay(2.0, 2.1, 1, result={"n": 2}),
         ],
     ),
+    "a key held by a fence no answer granted (a grant answered 503)": (
+        "ghost-owner",
+        [
+            grant("A", 1, 0.0, 0.1, 10),
+            release("A", 1, 1.0, 1.1),
+            answer(2.0, 2.1, 503, {"ok": False, "status": "unavailable"}),
+            held(3.0, 3.1, 2),
+        ],
+    ),
     "a result that vanishes into held": (
         "completed-lost",
         [grant("A", 1, 0.0, 0.1, 10), complete("A", 1, 1.0, 1.1), held(2.0, 2.1, 1)],
@@ -373,6 +387,35 @@ def test_histories_round_trip_through_files(tmp_path: Any) -> None:
     merged = History.load([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], offset=0.0)
     assert merged.ops == first.ops + second.ops
     assert kinds(check(merged)) == ["overlap"]
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "outcome"),
+    [
+        (503, {"ok": False, "status": "unavailable", "error": "x"}, "fail"),
+        (
+            503,
+            {"ok": False, "status": "unavailable", "error": "x", "outcome": "unknown"},
+            "unknown",
+        ),
+        (503, None, "unknown"),  # a proxy's page: not the service's word
+        (502, {"ok": False, "status": "unavailable", "error": "x"}, "unknown"),
+        (500, {"ok": False, "status": "internal", "error": "x"}, "unknown"),
+        (409, {"ok": False, "status": "held", "error": "x"}, "fail"),
+    ],
+)
+def test_the_service_s_503_is_recorded_as_no_effect_unless_its_outcome_is_unknown(
+    status: int, body: dict[str, Any] | None, outcome: str
+) -> None:
+    """A 503 of the service means nothing was written; one saying "outcome": "unknown",
+    a 500, or a 5xx that is not the service's may have taken effect."""
+    import httpx
+
+    content = b"<html>bad gateway</html>" if body is None else json.dumps(body).encode()
+    transport = httpx.MockTransport(lambda request: httpx.Response(status, content=content))
+    with httpx.Client(transport=transport) as client:
+        op = Recorder("p").call(client, "http://lk.test", "acquire", "k", {"key": "k"})
+    assert op.outcome == outcome
 
 
 # -- recorded through the real HTTP app ------------------------------------------------------

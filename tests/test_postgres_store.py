@@ -22,7 +22,7 @@ from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 import pytest
 
-from leasekeeper import FakeClock, ServiceUnavailable
+from leasekeeper import FakeClock, OutcomeUnknown, ServiceUnavailable
 from leasekeeper._core.model import (
     Acquire,
     Complete,
@@ -754,6 +754,76 @@ def test_readiness_needs_a_writable_database_and_the_fence_sequence(
                 await store.ping()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (
+            "ALTER TABLE leasekeeper_leases DROP COLUMN owner",
+            "its table leasekeeper_leases is not leasekeeper's (it lacks the column owner)",
+        ),
+        (
+            "ALTER TABLE leasekeeper_leases ADD COLUMN extra int NOT NULL DEFAULT 0",
+            "its table leasekeeper_leases is not leasekeeper's (it has columns leasekeeper "
+            "does not make: extra)",
+        ),
+        (
+            "ALTER TABLE leasekeeper_leases ALTER COLUMN result TYPE jsonb USING result::jsonb",
+            "its table leasekeeper_leases is not leasekeeper's (it has columns of other types",
+        ),
+        (
+            "ALTER TABLE leasekeeper_meta DROP CONSTRAINT leasekeeper_meta_pkey",
+            "its table leasekeeper_meta is not leasekeeper's (it has columns of other types",
+        ),
+        (
+            "UPDATE leasekeeper_meta SET value = 0 WHERE name = 'schema_version'",
+            "its schema version is 0, and this leasekeeper's is 1",
+        ),
+    ],
+    ids=["missing column", "extra column", "other type", "no primary key", "old version"],
+)
+def test_a_schema_whose_tables_are_not_as_leasekeeper_makes_them_is_not_ready_nor_opened(
+    make_store: StoreFactory, url: str, change: str, why: str
+) -> None:
+    """A table missing a column (or with one more, or of another type, or without its
+    key), or another schema version: ping (/readyz) fails saying so while the store is
+    open, and the store refuses to open, rather than answer every acquire 503."""
+    store = make_store("postgres", max_size=1)
+    schema = store.schema  # type: ignore[attr-defined]
+
+    async def main() -> None:
+        async with opened(store):
+            await store.ping()
+            with admin(url) as conn:
+                conn.execute(f"SET search_path = {schema}")
+                conn.execute(change)
+            with pytest.raises(ServiceUnavailable) as refused:
+                await store.ping()
+            assert refused.value.error.startswith("The lease store cannot decide: ")
+            assert why in refused.value.error
+        reopened = make_store("postgres", like=store)
+        with pytest.raises(ServiceUnavailable) as refused:
+            await reopened.open()
+        assert refused.value.error.startswith("Cannot open the PostgreSQL store: ")
+        assert why in refused.value.error
+
+    asyncio.run(main())
+
+
+def test_another_programs_tables_of_the_same_names_are_left_alone(
+    make_store: StoreFactory, url: str
+) -> None:
+    """A schema holding another program's table named leasekeeper_leases is not taken for
+    a store: opening fails before anything is created beside it."""
+    store = make_store("postgres")
+    schema = store.schema  # type: ignore[attr-defined]
+    with admin(url) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+        conn.execute(f"CREATE TABLE {schema}.leasekeeper_leases (id int PRIMARY KEY)")
+    with pytest.raises(ServiceUnavailable, match="it lacks the columns key_id, fingerprint"):
+        asyncio.run(store.open())
+    assert relations_in(url, schema) == 2  # the table and its key's index, nothing more
 
 
 def test_readiness_fails_while_the_database_refuses_writes_for_want_of_room(
@@ -1618,6 +1688,114 @@ def test_a_commit_that_never_arrived_is_decided_again(
 
     asyncio.run(main())
     assert "a cut-off COMMIT had not taken effect; deciding again" in caplog.text
+
+
+def test_a_cut_off_commit_whose_rows_cannot_be_read_back_has_an_unknown_outcome(
+    make_store: StoreFactory,
+    url: str,
+    target: tuple[str, int],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A COMMIT reaches the server, its answer is lost, and reading the rows back fails
+    too: the caller is told the outcome is unknown ("outcome": "unknown"), never a
+    plain 503, which would say nothing was written. Here the grant had landed."""
+
+    async def main() -> None:
+        relay = Relay(*target)
+        port = await relay.start()
+        store = make_store("postgres", url=url_with(url, port=port), timeout_seconds=3)
+        try:
+            async with opened(store):
+
+                async def unreadable(*args: Any) -> set[bytes]:
+                    raise psycopg.OperationalError("the lookup's connection failed too")
+
+                store._runner.landed = unreadable  # type: ignore[attr-defined]
+                key = new_id()
+                relay.trap(COMMIT_MESSAGE, deliver=True)
+                with pytest.raises(OutcomeUnknown) as unknown:
+                    await store.apply(acquire(key))
+                assert relay.trapped
+                assert unknown.value.body()["outcome"] == "unknown"
+                assert "could not be read back" in unknown.value.error
+                again = await store.apply(acquire(key))
+                assert isinstance(again.outcome, Held)  # it had landed: unknown was right
+        finally:
+            await relay.stop()
+
+    with caplog.at_level(logging.WARNING, logger="leasekeeper.store.postgres"):
+        asyncio.run(main())
+    assert "its callers are told the outcome is unknown" in caplog.text
+
+
+def test_a_commit_whose_answer_never_comes_has_an_unknown_outcome_a_timeout_later(
+    make_store: StoreFactory, url: str, target: tuple[str, int]
+) -> None:
+    """A COMMIT is sent and nothing ever comes back on its connection (a server that
+    stopped): at the deadline the batch is not given up on as if nothing was written;
+    one timeout later its caller is told the outcome is unknown."""
+
+    async def main() -> None:
+        relay = Relay(*target)
+        port = await relay.start()
+        store = make_store("postgres", url=url_with(url, port=port), timeout_seconds=1)
+        try:
+            async with opened(store):
+                relay.trap(COMMIT_MESSAGE, deliver=True, hold=True)
+                started = time.monotonic()
+                with pytest.raises(OutcomeUnknown):
+                    await store.apply(acquire())
+                assert 1.9 < time.monotonic() - started < 4
+        finally:
+            await relay.stop()
+
+    asyncio.run(main())
+
+
+class OnePool:
+    """A pool of one fake connection, for ``Runner`` alone."""
+
+    broken = closed = False
+
+    @contextlib.asynccontextmanager
+    async def connection(self, **options: float) -> AsyncIterator[Any]:
+        yield self
+
+
+def test_a_run_given_up_on_lets_no_attempt_commit_and_one_committing_is_waited_for() -> None:
+    """At its deadline a run whose attempt has not begun to COMMIT answers 503 and
+    abandons the run: that attempt can no longer COMMIT (it must roll back). One whose
+    attempt has begun to COMMIT is waited for, and its own answer is the caller's."""
+    from leasekeeper.store._base import Refusals, Throttled
+    from leasekeeper.store._postgres_run import Attempt, Runner
+
+    log = logging.getLogger("test")
+    runner = Runner(0.1, Throttled(log, logging.INFO, lambda: 0), Refusals(lambda: 0))
+    asked: list[bool] = []
+
+    async def slow_then_commit(conn: Any, attempt: Attempt[str]) -> str:
+        try:
+            await asyncio.sleep(1)
+        finally:
+            asked.append(attempt.may_commit())
+        return "committed"
+
+    async def commit_then_slow(conn: Any, attempt: Attempt[str]) -> str:
+        assert attempt.may_commit()
+        await asyncio.sleep(0.15)  # past the deadline, within one more timeout
+        return "committed"
+
+    async def main() -> None:
+        pool: Any = OnePool()
+        with pytest.raises(ServiceUnavailable, match="did not answer in time") as late:
+            await runner.run(pool, "apply", slow_then_commit)
+        assert not isinstance(late.value, OutcomeUnknown)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert asked == [False]
+        assert await runner.run(pool, "apply", commit_then_slow) == "committed"
+
+    asyncio.run(main())
 
 
 def test_closing_answers_every_queued_request(make_store: StoreFactory) -> None:

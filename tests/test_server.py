@@ -902,6 +902,55 @@ def test_a_store_that_cannot_be_opened_is_said_in_one_line(
     assert errors[0].startswith("Cannot open the ") and why.format(tmp=tmp_path) in errors[0]
 
 
+def _break_the_schema(target: Any) -> str:
+    """Change the store's lease table under its servers (a column gone); what the
+    refusals then say."""
+    if target.kind == "sqlite":
+        with contextlib.closing(sqlite3.connect(target.db, isolation_level=None)) as conn:
+            conn.executescript(
+                "ALTER TABLE leases RENAME TO kept; CREATE TABLE leases (key_id BLOB PRIMARY KEY);"
+            )
+        return "its table leases is not leasekeeper's (it lacks the columns fingerprint"
+    import psycopg
+
+    with psycopg.connect(target.admin_url, autocommit=True, connect_timeout=5) as conn:
+        conn.execute(f'ALTER TABLE "{target.schema}".leasekeeper_leases DROP COLUMN owner')
+    return "its table leasekeeper_leases is not leasekeeper's (it lacks the column owner)"
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_a_store_that_cannot_decide_is_not_ready_and_is_not_served(
+    tmp_path: Path, kind: str
+) -> None:
+    """/readyz checks that a decision can be made, not only that the store answers: with
+    the lease table changed under a running server it is 503 saying what is wrong, and
+    ``serve`` then refuses to start on that store, in one ERROR line that says it."""
+    with store_target(kind, tmp_path) as target:
+        with running_server(target.url, tmp_path / "server.log") as server:
+            assert httpx.get(f"{server.url}/readyz", timeout=10).status_code == 200
+            why = _break_the_schema(target)
+            ready = httpx.get(f"{server.url}/readyz", timeout=10)
+            assert ready.status_code == 503
+            body = ready.json()
+            assert body["status"] == "unavailable"
+            assert body["error"].startswith("The lease store cannot decide: ")
+            assert why in body["error"]
+        env = {**os.environ, "LEASEKEEPER_STORE": target.url}
+        done = subprocess.run(
+            [sys.executable, "-m", "leasekeeper.cli", "serve", "--port", str(free_port())],
+            env=env, capture_output=True, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    errors = [
+        record["message"]
+        for record in map(json.loads, done.stderr.decode().splitlines())
+        if record["level"] == "ERROR"
+        and record["message"] != "Application startup failed. Exiting."
+    ]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("Cannot open the ") and why in errors[0]
+
+
 @pytest.mark.parametrize("closed", ["<&-", ">&-"])
 def test_mcp_over_stdio_with_a_stream_closed_says_so_in_one_line(
     tmp_path: Path, closed: str

@@ -25,7 +25,7 @@ from unittest import mock
 
 import pytest
 
-from leasekeeper import FakeClock, InternalError, ServiceUnavailable
+from leasekeeper import FakeClock, InternalError, OutcomeUnknown, ServiceUnavailable
 from leasekeeper._core.model import (
     Acquire,
     Complete,
@@ -588,6 +588,60 @@ def test_no_answer_before_the_fsync_of_the_wal_and_the_next_batch_does_not_wait(
     asyncio.run(main())
 
 
+def test_a_batch_whose_fsync_hangs_has_an_unknown_outcome_a_timeout_after_its_deadline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch committed and waiting for an fsync that does not come (a disk that hangs)
+    is not answered 503 at its deadline, as if nothing were written: its write is in the
+    file. A timeout later its caller is told the outcome is unknown."""
+    gate = GatedFsync(monkeypatch)
+
+    async def main() -> None:
+        store = SqliteStore(
+            tmp_path / "h.db", FakeClock(), fsync_process=False, timeout_seconds=0.3
+        )
+        await store.open()
+        try:
+            gate.armed.set()
+            started = time.monotonic()
+            waiting = queue_acquire(store)
+            assert await asyncio.to_thread(gate.entered.wait, 10)
+            with pytest.raises(OutcomeUnknown):
+                await waiting
+            assert 0.55 < time.monotonic() - started < 2
+        finally:
+            gate.release.set()
+            await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_batch_that_gets_the_lock_at_its_deadline_is_answered_with_its_decisions(
+    tmp_path: Path,
+) -> None:
+    """The writer's thread waits for a lock held elsewhere until the batch's deadline at
+    most; a batch that gets it just before commits and is answered with its grants once
+    fsynced, even a little after its deadline (nobody else answers a claimed call)."""
+    path = tmp_path / "edge.db"
+
+    async def main() -> None:
+        store = SqliteStore(path, FakeClock(), timeout_seconds=0.18)
+        await store.open()
+        try:
+            with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as other:
+                other.execute("BEGIN EXCLUSIVE")
+                calls = [queue_acquire(store) for _ in range(5)]
+                # SQLite's busy handler looks again 178 ms after the lock was found taken.
+                await asyncio.sleep(0.15)
+                other.execute("COMMIT")
+            outcomes = [(await call).outcome for call in calls]
+            assert all(isinstance(outcome, Granted) for outcome in outcomes)
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
 def test_the_fsync_is_of_the_wal_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the syncer fsyncs before answering is the WAL, where a COMMIT writes: once
     as the store opens (a store that cannot fsync does not open), then for each batch,
@@ -694,8 +748,9 @@ def test_a_failed_fsync_refuses_its_batches_and_everything_after(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """After a failed fsync the kernel may have dropped the pages it could not write,
-    so a later fsync proves nothing: the batches it covered, the batch committed while
-    it ran, and every later call get 503, and no fsync is tried again."""
+    so a later fsync proves nothing: the batches it covered and the batch committed
+    while it ran get 503 with an unknown outcome (committed, they may survive or not),
+    every later call a plain 503 (nothing written), and no fsync is tried again."""
 
     def failing(fd: int) -> None:
         raise OSError(errno.EIO, "Input/output error")
@@ -713,10 +768,11 @@ def test_a_failed_fsync_refuses_its_batches_and_everything_after(
             await asyncio.sleep(0)
         gate.release.set()
         for future in (first, second):
-            with pytest.raises(ServiceUnavailable, match="durable"):
+            with pytest.raises(OutcomeUnknown, match="durable"):
                 await future
-        with pytest.raises(ServiceUnavailable, match="durable"):
+        with pytest.raises(ServiceUnavailable, match="durable") as refused:
             await store.apply(Acquire(new_id(), None, TTL, new_id(), LIFECYCLE))
+        assert not isinstance(refused.value, OutcomeUnknown)
         with pytest.raises(ServiceUnavailable):
             await store.ping()
         await store.close()
@@ -1001,6 +1057,98 @@ def _open_is_refused(path: Path, why: str = "") -> None:
         refusal = re.escape("Cannot open the SQLite store") + ".*" + re.escape(why)
         with pytest.raises(ServiceUnavailable, match=refusal):
             await store.open()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("tables", "why"),
+    [
+        (
+            "CREATE TABLE leases (key_id BLOB PRIMARY KEY, data TEXT);",
+            "its table leases is not leasekeeper's (it lacks the columns fingerprint, ",
+        ),
+        (
+            "CREATE TABLE meta (k TEXT, v TEXT);",
+            "its table meta is not leasekeeper's (it lacks the columns name, value)",
+        ),
+        (
+            SCHEMA.replace("result              TEXT,", "result              TEXT, extra,"),
+            "its table leases is not leasekeeper's (it has columns leasekeeper does not "
+            "make: extra)",
+        ),
+        (
+            SCHEMA.replace("value INTEGER NOT NULL", "value TEXT"),
+            "its table meta is not leasekeeper's (it has columns of other types",
+        ),
+        (
+            SCHEMA + "INSERT INTO meta VALUES ('schema_version', 0);",
+            "its schema version is 0, and this leasekeeper's is 1",
+        ),
+    ],
+    ids=["foreign leases", "foreign meta", "extra column", "other type", "old version"],
+)
+def test_a_file_whose_tables_are_not_leasekeepers_is_refused_at_open(
+    tmp_path: Path, tables: str, why: str
+) -> None:
+    """A file holding another program's tables named leases or meta (or ours, changed)
+    is not taken for a store: opening it fails, saying which table is not as leasekeeper
+    makes it, and nothing is written to it."""
+    path = tmp_path / "foreign.db"
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.executescript(tables)
+        before = list(conn.iterdump())
+    _open_is_refused(path, why)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert list(conn.iterdump()) == before
+
+
+def test_readiness_needs_the_tables_the_schema_version_and_the_fence_counter(
+    tmp_path: Path,
+) -> None:
+    """ping (``/readyz``) fails, saying why, while the running store's file holds another
+    table of the name leases, a schema version it does not know, or no fencing counter:
+    no decision could be made. Put right, it succeeds at once."""
+    path = tmp_path / "changed.db"
+
+    async def main() -> None:
+        store = SqliteStore(path, FakeClock(), timeout_seconds=1)
+        await store.open()
+        try:
+            await store.ping()
+            with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as other:
+                changes = [
+                    (
+                        "ALTER TABLE leases RENAME TO kept; CREATE TABLE leases (x INTEGER);",
+                        "its table leases is not leasekeeper's (it lacks the columns key_id, ",
+                        "DROP TABLE leases; ALTER TABLE kept RENAME TO leases;",
+                    ),
+                    (
+                        "ALTER TABLE leases RENAME TO kept;",
+                        "it has no table leases",
+                        "ALTER TABLE kept RENAME TO leases;",
+                    ),
+                    (
+                        "UPDATE meta SET value = 2 WHERE name = 'schema_version';",
+                        "its schema version is 2, and this leasekeeper's is 1",
+                        "UPDATE meta SET value = 1 WHERE name = 'schema_version';",
+                    ),
+                    (
+                        "DELETE FROM meta WHERE name = 'fence';",
+                        "its fencing counter cannot be read",
+                        "INSERT INTO meta VALUES ('fence', 0);",
+                    ),
+                ]
+                for change, why, undo in changes:
+                    other.executescript(change)
+                    with pytest.raises(ServiceUnavailable) as refused:
+                        await store.ping()
+                    assert refused.value.error.startswith("The lease store cannot decide: ")
+                    assert why in refused.value.error
+                    other.executescript(undo)
+                    await store.ping()
+        finally:
+            await store.close()
 
     asyncio.run(main())
 

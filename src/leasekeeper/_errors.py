@@ -24,14 +24,18 @@ client SDK raises the very same classes when it reads such a body back.
     │       └── StaleFence          client only: a protected system refused an older
     │                               fencing token (``leasekeeper.client.FenceGuard``)
     └── ServerError                 the service is at fault (5xx)
-        ├── ServiceUnavailable      503 unavailable; .retry_after_seconds
+        ├── ServiceUnavailable      503 unavailable; .retry_after_seconds; nothing was
+        │   │                       written, and the request is never applied later
+        │   ├── OutcomeUnknown      503 unavailable, "outcome": "unknown": the store lost
+        │   │                       its commit's answer; the write may have taken effect
         │   └── ServiceUnreachable  client only: no answer at all (connection refused or
         │                           reset, timeout); the request may or may not have landed
         └── InternalError           500 internal, never with details
 
 The client reads an error back with ``error_from_body``, the inverse of
-``body()``: the body's ``status`` word picks the class, and the HTTP status code
-picks one when the body is not ours (a proxy's HTML page, say).
+``body()``: the body's ``status`` word picks the class (``unavailable`` with
+``"outcome": "unknown"``: ``OutcomeUnknown``), and the HTTP status code picks one
+when the body is not ours (a proxy's HTML page, say).
 
 Messages never contain a request's values: a namespace, key, token or fingerprint
 is a secret, and an error body may end up in a log.
@@ -54,6 +58,7 @@ __all__ = [
     "LeaseLost",
     "MethodNotAllowed",
     "NotFound",
+    "OutcomeUnknown",
     "PayloadTooLarge",
     "RateLimited",
     "RequestError",
@@ -241,6 +246,25 @@ class ServiceUnavailable(ServerError, _RetryLater):
     default_message = "The lease store is unavailable; retry shortly"
 
 
+class OutcomeUnknown(ServiceUnavailable):
+    """The store may or may not have applied the write: its connection failed with the
+    COMMIT in flight and the rows could not be read back, or it committed but could not
+    make the write durable. The body says so with ``"outcome": "unknown"``.
+
+    An acquire may have granted a lease whose owner token nobody received: the key is
+    then held until that lease's TTL ends, so this is never "not acquired". A renew,
+    release or complete may have taken effect: sent again, it is answered ``lost`` when
+    it had (and an acquire then shows a completed result).
+    """
+
+    default_message = (
+        "The outcome of this request is unknown: the lease store may or may not have applied it"
+    )
+
+    def body(self) -> dict[str, Any]:
+        return {**super().body(), "outcome": "unknown"}
+
+
 class InternalError(ServerError):
     """An unexpected fault in the service; details go to the server log, not the body."""
 
@@ -344,9 +368,9 @@ _FROM_STATUS: dict[str, _Builder] = {
         e, absolute_expires_at=_str(b.get("absolute_expires_at"))
     ),
     LeaseLost.status: lambda e, b, r: LeaseLost(e),
-    ServiceUnavailable.status: lambda e, b, r: ServiceUnavailable(
-        e, retry_after_seconds=_wait(b, r)
-    ),
+    ServiceUnavailable.status: lambda e, b, r: (
+        OutcomeUnknown if b.get("outcome") == "unknown" else ServiceUnavailable
+    )(e, retry_after_seconds=_wait(b, r)),
     InternalError.status: lambda e, b, r: InternalError(e),
 }
 

@@ -61,6 +61,12 @@ _SEPARATOR_BITS = math.log2(len(_SEPARATORS))
 _MIN_MANY_BITS = math.log2(50)
 #: log2 of the alphabet's size, by its size (26, 36, 52, 62; 10 for digits alone).
 _ALPHABET_BITS = {size: math.log2(size) for size in (10, 26, 36, 52, 62)}
+#: By the alphabet's size (0: no letters or digits): a character's brute force, and the
+#: most one covered character of the key can save (a symbol's, if that is more).
+_CHARACTER_BITS = {
+    size: (bits, max(bits, _SYMBOL_BITS))
+    for size, bits in {**_ALPHABET_BITS, 0: _SYMBOL_BITS}.items()
+}
 
 # The shape of a key, one character for each: lowercase "a", uppercase "A", digit "0",
 # separator "-", any other character "!".
@@ -80,6 +86,8 @@ _SHAPE = str.maketrans(
         for c in range(128)
     }
 )
+#: ``_SHAPE`` as a table for ``bytes.translate`` (of ASCII: every other byte is "!").
+_SHAPE_BYTES = bytes(ord(_SHAPE[c]) if c < 128 else ord("!") for c in range(256))
 
 # --- dictionary -----------------------------------------------------------------------
 
@@ -134,11 +142,11 @@ def _offsets(lanes: int) -> tuple[int, int]:
     return known
 
 
-def _differences(codes: bytes) -> bytes:
-    """128 + codes[i + 1] - codes[i] for every i, ``codes`` being 7-bit."""
-    lanes = len(codes) - 1
+def _differences(number: int, n: int) -> bytes:
+    """128 + codes[i + 1] - codes[i] for every i < n - 1, ``number`` being the ``n``
+    7-bit codes as the bytes of one integer (``int.from_bytes(codes, "little")``)."""
+    lanes = n - 1
     offsets, mask = _offsets(lanes)
-    number = int.from_bytes(codes, "little")
     return ((number >> 8) + offsets - (number & mask)).to_bytes(lanes, "little")
 
 
@@ -160,6 +168,9 @@ _STEPS = re.compile(
 #: In the differences of the key's keys' codes: three steps to a neighbouring key in a
 #: row, a walk over four keys at least.
 _WALK = re.compile(b"[" + re.escape(bytes(128 + d for d in _DIRECTIONS)) + b"]{3,}")
+#: Those differences as 1, every other as 0 (for ``bytes.translate``): where no three 1s
+#: stand in a row, there is no walk to look for.
+_NEIGHBOURS = bytes(int(c - 128 in _DIRECTIONS) for c in range(256))
 
 
 def _sequence_bits(token: str, descending: bool) -> float:
@@ -220,6 +231,9 @@ def _walk_bits(token: str, turns: int) -> float:
 # --- repeats --------------------------------------------------------------------------
 
 _ZEROS = {size: bytes(size) for size in (2, 3, 4)}
+#: For each size of part, the shift that lays a key's codes on those ``size`` places on,
+#: and the run of NULs that marks, in their XOR, a part said twice (``_short_repeats``).
+_REPEAT_MARKS = tuple((8 * size, "\x00" * size) for size in (2, 3, 4))
 
 
 # --- dates, years, numbers ------------------------------------------------------------
@@ -245,6 +259,22 @@ _ALONE_DIGITS = re.compile(r"[-!]0{2,}(?![0aA])")
 _SEPARATED_DATE = re.compile(r"([0-9]{1,4})([-/\\_.])([0-9]{1,2})\2([0-9]{1,4})")
 #: At least three zeros and the digits after them: a zero-padded counter.
 _COUNTER = re.compile(r"0{3,}[0-9]*")
+
+
+#: The fewest bits any reading of ``k`` digits standing alone costs, by ``k`` (a year or
+#: a date at the least distance from the present, else the number), never below a
+#: part's floor: what the quick bound charges them whatever the digits.
+_DIGITS_LEAST = tuple(
+    max(
+        _MIN_MANY_BITS,
+        min(
+            k * _LOG2_10,
+            math.log2(_MIN_YEAR_SPACE) if k == 4 else math.inf,
+            math.log2(_MIN_YEAR_SPACE) + _LOG2_DAYS if k in _DATE_SPLITS else math.inf,
+        ),
+    )
+    for k in range(64)
+)
 
 
 def _year_bits(year: int) -> float:
@@ -309,54 +339,70 @@ def estimate_below(key: str, bits: float) -> float | None:
 
 def _surely_at_least(key: str, bits: float) -> bool:
     """True only if every cover of ``key`` costs ``bits`` or more: the brute force of the
-    whole key less that of every character a part could cover (letters of a word,
-    digits standing alone, sequences, runs and keyboard walks) is enough. False where
-    that bound is not enough or a rarer part (a repeat, a counter, a date with
-    separators) is there: then the estimate decides."""
+    whole key less the most that every part a matcher could find would save (the whole
+    brute force of the characters a word, sequence, run, keyboard walk, repeat or counter
+    could cover; that of digits standing alone less the least any reading of them costs,
+    ``_DIGITS_LEAST``) is enough. False where that bound is not enough or a rarer part (a
+    key that repeats itself, a date with separators) is there: then the estimate decides.
+
+    Written for speed on random keys (it runs on every acquire without a namespace):
+    searches are made in ``str``, where CPython finds short strings faster than in
+    ``bytes``, and the rarer matchers run only where a cheap test finds their mark."""
     n = len(key)
-    if n < 8 or not key.isascii() or "000" in key:
+    if n < 8 or not key.isascii():
         return False
-    shape = key.translate(_SHAPE)
+    codes = key.encode("ascii")
+    shape = codes.translate(_SHAPE_BYTES).decode("ascii")
     if "-0-" in shape or "-00-" in shape:
         return False
     if (key + key).find(key, 1) < n:
         return False
     alphabet = 26 * ("a" in shape) + 26 * ("A" in shape) + 10 * ("0" in shape)
-    char_bits = _ALPHABET_BITS[alphabet] if alphabet else _SYMBOL_BITS
+    char_bits, most = _CHARACTER_BITS[alphabet]
     separators = shape.count("-")
     others = shape.count("!")
     brute_free = (n - separators - others) * char_bits + others * _SYMBOL_BITS
-    brute_full = brute_free + separators * _SEPARATOR_BITS
-    # What one covered character saves at most: its brute force.
-    most = max(char_bits, _SYMBOL_BITS)
-    # Enough even if this many characters saved all of it:
-    spare = min(brute_full - bits, READABLE_CAP_BITS + brute_free - bits) / most
+    # Enough even if parts saved this many bits:
+    spare = brute_free - bits + min(separators * _SEPARATOR_BITS, READABLE_CAP_BITS)
     if spare < 0:
         return False
-    codes = key.encode("ascii")
-    covered = _repeated(key, codes)
-    if alphabet >= 26:
-        low = key.lower()
-        for run in _LETTER_RUN.finditer(low):
-            letters_end = run.end()
+    number = int.from_bytes(codes, "little")
+    covered = 0  # characters a readable part could cover, each saving ``most`` at most
+    for shift, zeros in _REPEAT_MARKS:  # a part said twice in a row, first
+        if zeros in ((number >> shift) ^ number).to_bytes(n, "little").decode("latin-1"):
+            covered = _repeated(key, number, n)
+            break
+    if "000" in key:
+        covered += sum(map(len, _COUNTER.findall(key)))
+    # Words are three letters or more: in a key of one case, its shape shows them.
+    if alphabet >= 26 and ("aaa" in shape or "AAA" in shape or alphabet >= 52):
+        starts, words, longest = _WORD_STARTS, _WORDS, _LONGEST_WORD
+        for run in _LETTER_RUN.findall(key.lower() if "A" in shape else key):
+            end = len(run)
             reach = 0  # the end of the words counted so far
-            for i in range(run.start(), letters_end - 2):
-                if low[i : i + 3] not in _WORD_STARTS:
-                    continue
-                for j in range(min(letters_end, i + _LONGEST_WORD), max(i + 2, reach), -1):
-                    if low[i:j] in _WORDS:
-                        covered += j - max(i, reach)
-                        reach = j
-                        break
-            if covered > spare:
-                return False
-    if alphabet in (10, 36, 62):
-        covered += sum(map(len, _ALONE_DIGITS.findall("-" + shape)))
+            for i in range(end - 2):
+                if run[i : i + 3] in starts:
+                    for j in range(min(end, i + longest), max(i + 2, reach), -1):
+                        if run[i:j] in words:
+                            covered += j - max(i, reach)
+                            reach = j
+                            break
+        if covered * most > spare:
+            return False
     # A run of k differences spans k + 1 characters.
-    runs = _STEPS.findall(_differences(codes)) + _WALK.findall(
-        _differences(codes.translate(_KEY_CODES))
-    )
-    return covered + sum(map(len, runs)) + len(runs) <= spare
+    runs = _STEPS.findall(_differences(number, n))
+    moves = _differences(int.from_bytes(codes.translate(_KEY_CODES), "little"), n)
+    if "\x01\x01\x01" in moves.translate(_NEIGHBOURS).decode("latin-1"):
+        runs += _WALK.findall(moves)
+    if runs:
+        covered += sum(map(len, runs)) + len(runs)
+    saved = covered * most
+    if alphabet in (10, 36, 62) and saved <= spare:
+        least = _DIGITS_LEAST
+        for run in _ALONE_DIGITS.findall("-" + shape):
+            size = len(run) - 1  # after the separator or symbol that leads it
+            saved += size * char_bits - (least[size] if size < len(least) else size * _LOG2_10)
+    return saved <= spare
 
 
 #: A part of a key: (end, start, bits saved against brute force, bits saved when
@@ -415,7 +461,8 @@ def _estimate(key: str) -> tuple[float, float]:
                         add(i, j, math.log2(rank) + case, readable)
 
     codes = key.encode("ascii")
-    steps = _differences(codes)
+    number = int.from_bytes(codes, "little")
+    steps = _differences(number, n)
     for step in _STEPS.finditer(steps):
         start, last = step.span()
         first = steps[start]
@@ -429,7 +476,7 @@ def _estimate(key: str) -> tuple[float, float]:
         add(start, last + 1, _sequence_bits(token, descending), True)
         if last - start >= 3:
             add(start + 1, last + 1, _sequence_bits(token[1:], descending), True)
-    moves = _differences(codes.translate(_KEY_CODES))
+    moves = _differences(int.from_bytes(codes.translate(_KEY_CODES), "little"), n)
     for walk in _WALK.finditer(moves):
         start, last = walk.span()
         turns = 1 + sum(map(ne, moves[start + 1 : last], moves[start : last - 1]))
@@ -439,7 +486,7 @@ def _estimate(key: str) -> tuple[float, float]:
     period = (key + key).find(key, 1)
     if period < n and n % period == 0:
         _repeat(key, 0, period, n, parts, cost)
-    for start, size, end in _short_repeats(key, codes):
+    for start, size, end in _short_repeats(key, number, n):
         _repeat(key, start, size, end, parts, cost)
 
     if alphabet in (10, 36, 62):
@@ -463,13 +510,12 @@ def _estimate(key: str) -> tuple[float, float]:
 _estimate_short_part = lru_cache(maxsize=4_096)(_estimate)
 
 
-def _short_repeats(key: str, codes: bytes) -> list[tuple[int, int, int]]:
+def _short_repeats(key: str, number: int, n: int) -> list[tuple[int, int, int]]:
     """(start, size, end) for each part of 2 to 4 characters said again at once, and
     again while it lasts: ``abab``, ``abcabc``, ``a1b2a1b2``. Found where
-    codes[i + size] == codes[i] for ``size`` positions in a row."""
+    codes[i + size] == codes[i] for ``size`` positions in a row (``number``: the ``n``
+    codes as one integer, as ``_differences`` takes them)."""
     found = []
-    n = len(codes)
-    number = int.from_bytes(codes, "little")
     for size in (2, 3, 4):
         same = ((number >> (8 * size)) ^ number).to_bytes(n, "little")
         at = same.find(_ZEROS[size])
@@ -482,10 +528,10 @@ def _short_repeats(key: str, codes: bytes) -> list[tuple[int, int, int]]:
     return found
 
 
-def _repeated(key: str, codes: bytes) -> int:
+def _repeated(key: str, number: int, n: int) -> int:
     """How many characters the short repeats of ``key`` cover (a character in two of them
     counted twice: more is safe where this is used)."""
-    return sum(end - start for start, _, end in _short_repeats(key, codes))
+    return sum(end - start for start, _, end in _short_repeats(key, number, n))
 
 
 def _repeat(

@@ -18,6 +18,7 @@ from leasekeeper._errors import (
     LeaseError,
     LeaseHeld,
     LeaseLost,
+    OutcomeUnknown,
     RateLimited,
     RequestTimeout,
     ServerError,
@@ -46,6 +47,7 @@ __all__ = [
     "complete_deadline",
     "complete_delay",
     "current_lease",
+    "unknown_outcome",
     "unsure_complete",
 ]
 
@@ -81,6 +83,18 @@ def async_call_soon(function: Callable[..., Coroutine[Any, Any, None]], *args: o
     task = asyncio.ensure_future(function(*args))
     _CALLED_SOON.add(task)
     task.add_done_callback(_CALLED_SOON.discard)
+
+
+def unknown_outcome(error: LeaseError, unknown: OutcomeUnknown) -> OutcomeUnknown:
+    """What an acquire raises when its waiting ends on ``error`` after an attempt whose
+    outcome was ``unknown``: that attempt may hold the key under a token nobody received,
+    so a ``LeaseHeld`` (or any refusal to wait on) is not "not acquired"."""
+    return OutcomeUnknown(
+        f"{unknown.error}; an earlier attempt may have been granted the lease, whose owner "
+        f"token was lost, and the last one was refused ({error.status}): the key may be "
+        "held by that lease until its TTL ends",
+        retry_after_seconds=error.retry_after or unknown.retry_after_seconds,
+    )
 
 
 def unsure_complete(error: LeaseError) -> bool:

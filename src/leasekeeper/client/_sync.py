@@ -20,7 +20,7 @@ from typing import Any, ParamSpec
 import httpx
 
 from leasekeeper._clock import elapsed_seconds
-from leasekeeper._errors import LeaseError, LeaseHeld, LeaseLost
+from leasekeeper._errors import LeaseError, LeaseHeld, LeaseLost, OutcomeUnknown
 from leasekeeper.client._common import (
     FENCE_CHANGED,
     ONCE_LEASE,
@@ -32,6 +32,7 @@ from leasekeeper.client._common import (
     Wait,
     complete_deadline,
     complete_delay,
+    unknown_outcome,
     unsure_complete,
 )
 from leasekeeper.client._http import (
@@ -165,7 +166,9 @@ class LeaseClient:
     ) -> Lease | Completed:
         """Take the lease on ``key``: a ``Lease`` (yours now) or the ``Completed`` result.
         With ``wait`` (seconds, a ``timedelta``, ``math.inf``) a held key, a rate limit or
-        an outage is retried with backoff; ``on_wait(error, delay)`` is told of each pause."""
+        an outage is retried with backoff; ``on_wait(error, delay)`` is told of each pause.
+        ``OutcomeUnknown`` when an attempt may have been granted a lease whose token was
+        lost: never ``LeaseHeld`` after one, since the holder may be that lease."""
         outcome, _ = self._acquire(namespace, key, ttl, fingerprint, wait, on_wait)
         return outcome
 
@@ -182,11 +185,14 @@ class LeaseClient:
         body = lease_body(namespace=namespace, key=key, ttl_seconds=ttl, fingerprint=fingerprint)
         deadline = self._monotonic() + as_seconds(wait)
         attempt = 0
+        unknown: OutcomeUnknown | None = None
         while True:
             sent_at = self._monotonic()
             try:
                 return parse_acquire(self._post("/lease", body)), sent_at
             except WAITABLE as error:
+                if isinstance(error, OutcomeUnknown):
+                    unknown = error
                 delay = acquire_delay(
                     attempt,
                     error.retry_after or 0,
@@ -195,7 +201,9 @@ class LeaseClient:
                     held=isinstance(error, LeaseHeld),
                 )
                 if delay is None:
-                    raise
+                    if unknown is None or error is unknown:
+                        raise
+                    raise unknown_outcome(error, unknown) from error
                 if on_wait is not None:
                     on_wait(error, delay)
                 self._event_factory().wait(delay)

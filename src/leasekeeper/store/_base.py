@@ -27,6 +27,7 @@ __all__ = [
     "Throttled",
     "decide_in_turn",
     "decide_with_fence",
+    "not_ours",
 ]
 
 log = logging.getLogger("leasekeeper.store")
@@ -112,6 +113,27 @@ class Durable(Protocol):
         """What a check of the whole store finds wrong (for ``fence``, after a restore),
         or None."""
         ...
+
+
+def not_ours(
+    table: str, found: Sequence[Sequence[object]], wanted: Sequence[Sequence[object]]
+) -> str | None:
+    """Why ``table``, whose columns are ``found``, is not the one leasekeeper makes
+    (``wanted``), or None. Each column is a sequence that starts with its name, then
+    whatever the store compares (type, NOT NULL, key)."""
+    if [tuple(column) for column in found] == [tuple(column) for column in wanted]:
+        return None
+    names = [column[0] for column in found]
+    ours = [column[0] for column in wanted]
+    missing = [str(name) for name in ours if name not in names]
+    extra = [str(name) for name in names if name not in ours]
+    if missing:
+        why = f"lacks the column{'s' if len(missing) > 1 else ''} " + ", ".join(missing)
+    elif extra:
+        why = "has columns leasekeeper does not make: " + ", ".join(extra)
+    else:
+        why = "has columns of other types, constraints or order"
+    return f"its table {table} is not leasekeeper's (it {why})"
 
 
 def decide_with_fence(

@@ -30,11 +30,11 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from leasekeeper._clock import Clock, elapsed_ns
 from leasekeeper._core.model import Command, Decision
-from leasekeeper._errors import LeaseError, ServiceUnavailable
+from leasekeeper._errors import LeaseError, OutcomeUnknown, ServiceUnavailable
 from leasekeeper.store import _postgres_sql as sql
 from leasekeeper.store._base import Purged, Refusals, Throttled, decide_in_turn
-from leasekeeper.store._batcher import Batcher, Request
-from leasekeeper.store._postgres_run import MAX_ATTEMPTS, Attempt, Runner, Work, describe
+from leasekeeper.store._batcher import Batcher, Request, earliest
+from leasekeeper.store._postgres_run import MAX_ATTEMPTS, Attempt, Run, Runner, Work, describe
 from leasekeeper.store._postgres_sql import SCHEMA_VERSION, Connection
 
 __all__ = ["DEFAULT_POOL_SIZE", "SCHEMA_VERSION", "PostgresStore"]
@@ -238,7 +238,9 @@ class PostgresStore:
 
     async def ping(self) -> None:
         """Whether calls can be served: the table can be read (a blocked table reads as
-        "cannot serve"), and written (``CAN_WRITE``), else ``ServiceUnavailable``."""
+        "cannot serve"), and written (``CAN_WRITE``), and the tables, their columns, the
+        schema version and the fencing counter are as this leasekeeper makes them (a
+        decision could be made), else ``ServiceUnavailable``."""
         self._refusals.check()
 
         async def run(conn: Connection, attempt: Attempt[None]) -> None:
@@ -249,6 +251,9 @@ class PostgresStore:
                 raise ServiceUnavailable("The PostgreSQL database is read-only")
             if not sequence:
                 raise ServiceUnavailable("The PostgreSQL fencing sequence is missing")
+            problem = await sql.schema_problem(conn)
+            if problem is not None:
+                raise ServiceUnavailable(f"The lease store cannot decide: {problem}")
 
         await self._run("ping", run)
 
@@ -285,13 +290,29 @@ class PostgresStore:
         return await self._run("count_live", run)
 
     async def _decide_and_answer(self, batch: list[Request[Command]]) -> None:
-        """Decide ``batch`` (the batcher's ``run``), answer it, and give back what must be
-        decided again; a failure of the whole batch is raised to the batcher."""
+        """Decide ``batch`` (the batcher's ``run``) by its earliest deadline, answer it,
+        and give back what must be decided again. Given up on at that deadline (nothing
+        was written), the calls with time left are given back too, the rest get 503;
+        any other failure of the whole batch, which wrote nothing, is raised to the
+        batcher. Cancelled (the store closing) while its COMMIT may be on its way, the
+        calls it wrote for are answered "outcome unknown"."""
 
         async def work(conn: Connection, attempt: Attempt[_Batch]) -> _Batch:
             return await self._decide_batch(conn, batch, attempt)
 
-        done = await self._run("apply", work)
+        run = Run(earliest(batch))
+        try:
+            done = await self._run("apply", work, run)
+        except ServiceUnavailable:
+            if not run.abandoned:
+                raise
+            self._batcher.retry(batch, MAX_ATTEMPTS)
+            return
+        except asyncio.CancelledError:
+            attempt = run.attempt
+            if attempt is not None and attempt.committing and attempt.resolve is not None:
+                self._batcher.answer(attempt.resolve(None).results)
+            raise
         self._batcher.answer(done.results)
         self._batcher.retry(done.again, MAX_ATTEMPTS)
 
@@ -351,13 +372,17 @@ class PostgresStore:
             inserted = None
             if inserts:
                 inserted = await conn.execute(sql.INSERT_MANY, sql.columns(inserts), prepare=False)
-            # Marked before the COMMIT is handed over: in pipeline mode the call itself
-            # may send it (when the statements fill libpq's output buffer) and then read
-            # a broken connection's error. A COMMIT that may have been sent is looked for
-            # (``Runner.landed``), never decided again as if it had not been.
-            attempt.committing, attempt.written = True, list(writes.values())
+            attempt.written = list(writes.values())
             attempt.updated = {w.key_id for w in updates}
             attempt.resolve = functools.partial(_split, results, set(writes))
+            # Marked committing before the COMMIT is handed over: in pipeline mode the
+            # call itself may send it (when the statements fill libpq's output buffer)
+            # and then read a broken connection's error. A COMMIT that may have been sent
+            # is looked for (``Runner.landed``), never decided again as if it had not
+            # been. A batch whose callers were answered 503 meanwhile rolls back.
+            if not attempt.may_commit():
+                await conn.execute("ROLLBACK")
+                return _Batch([], [])
             await conn.execute("COMMIT")
         # Leaving the pipeline sent the writes and COMMIT and waited for them.
         if inserted is not None and inserted.rowcount != len(inserts):
@@ -365,25 +390,40 @@ class PostgresStore:
             return _split(results, set(writes), set(found) | created)
         return _Batch(results, [])
 
-    async def _run(self, what: str, work: Work[T]) -> T:
-        """``work`` on a pooled connection, with retries, within the timeout (``Runner``)."""
+    async def _run(self, what: str, work: Work[T], run: Run | None = None) -> T:
+        """``work`` on a pooled connection, with retries, by ``run``'s deadline (by
+        default within the timeout; ``Runner``)."""
         pool = self._pool
         if pool is None:
             raise ServiceUnavailable("The lease store is not open")
-        return await self._runner.run(pool, what, work)
+        return await self._runner.run(pool, what, work, run)
 
 
-def _split(results: _Results, written: set[bytes], landed: set[bytes]) -> _Batch:
+def _split(results: _Results, written: set[bytes], landed: set[bytes] | None) -> _Batch:
     """Answer the commands whose key was not written, or was written and is found
-    (``landed``); give the others back to be decided again."""
-    answered, again = [], []
+    (``landed``); give the others back to be decided again. With ``landed`` None (it
+    could not be learned) the commands whose key was written are answered "outcome
+    unknown": their write may have taken effect."""
+    answered: _Results = []
+    again = []
     for request, outcome in results:
         key = request.item.key_id
-        if key in written and key not in landed:
-            again.append(request)
-        else:
+        if key not in written:
             answered.append((request, outcome))
+        elif landed is None:
+            answered.append((request, _unknown()))
+        elif key in landed:
+            answered.append((request, outcome))
+        else:
+            again.append(request)
     return _Batch(answered, again)
+
+
+def _unknown() -> OutcomeUnknown:
+    return OutcomeUnknown(
+        "The lease store's connection failed while it committed this write, and the write "
+        "could not be read back: its outcome is unknown"
+    )
 
 
 def _elapsed_ms() -> int:

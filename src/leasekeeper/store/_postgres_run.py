@@ -1,9 +1,21 @@
 """``Runner.run``: the one place the PostgreSQL store's psycopg errors are retried, or
-become ``ServiceUnavailable`` within the timeout. Serialization failures, deadlocks and
-connections found dead before the COMMIT was sent (rolled back by the server) are
-retried; after a COMMIT cut off in flight, the rows written and the transaction's
-status tell which decisions took effect (``landed``). No message or log line carries a
-key id, token or query parameter.
+become ``ServiceUnavailable`` within the timeout, and the one place a caller is given
+up on. Serialization failures, deadlocks and connections found dead before the COMMIT
+was sent (rolled back by the server) are retried; after a COMMIT cut off in flight, the
+rows written and the transaction's status tell which decisions took effect
+(``landed``), and when even they cannot be read, the outcome is unknown.
+
+A 503 means nothing was written: at its deadline the run gives up on its caller only
+if its attempt has not begun to COMMIT, and marks the run ``abandoned`` so that the
+attempt, which checks the mark as it is about to COMMIT (``Attempt.may_commit``), rolls
+back instead. One that has begun to COMMIT is waited for one more timeout, then
+answered "outcome unknown"::
+
+    deadline:  attempt not committing ──► abandoned: 503, the attempt rolls back
+               attempt committing ───────► its answer (or the rows' lookup) within one
+                                           more timeout, else "outcome unknown"
+
+No message or log line carries a key id, token or query parameter.
 """
 
 from __future__ import annotations
@@ -11,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -21,12 +34,12 @@ from psycopg import errors as pg_errors
 from psycopg_pool import AsyncConnectionPool
 
 from leasekeeper._core.model import LeaseRecord
-from leasekeeper._errors import ServiceUnavailable
+from leasekeeper._errors import OutcomeUnknown, ServiceUnavailable
 from leasekeeper.store import _postgres_sql as sql
 from leasekeeper.store._base import Refusals, Throttled
 from leasekeeper.store._postgres_sql import Connection
 
-__all__ = ["MAX_ATTEMPTS", "Attempt", "Runner", "Work", "describe"]
+__all__ = ["MAX_ATTEMPTS", "Attempt", "Run", "Runner", "Work", "describe"]
 
 log = logging.getLogger("leasekeeper.store.postgres")
 
@@ -42,10 +55,23 @@ _REFUSING = ("53100", "53200", "58030", "XX001", "XX002")
 
 
 @dataclass(slots=True)
+class Run:
+    """One ``Runner.run``: when it gives up on its caller (the loop's time), whether it
+    has (``abandoned``), and its attempt under way."""
+
+    deadline: float
+    #: Its caller was answered 503: no attempt may COMMIT any more.
+    abandoned: bool = False
+    attempt: Attempt[Any] | None = None
+
+
+@dataclass(slots=True)
 class Attempt(Generic[T]):
     """What one attempt got to, so a failure can tell whether retrying is safe."""
 
-    #: The COMMIT has been sent: a failure from here on leaves the outcome unknown.
+    #: The run it belongs to (by default one that never gives up).
+    run: Run = field(default_factory=lambda: Run(math.inf))
+    #: The COMMIT may have been sent: a failure from here on leaves the outcome unknown.
     committing: bool = False
     #: The records the attempt writes, to look for after a cut-off COMMIT.
     written: list[LeaseRecord] = field(default_factory=list)
@@ -54,8 +80,17 @@ class Attempt(Generic[T]):
     #: The transaction's id, when it has one (``READ_CLOCK_AND_TXID``).
     txid: int | None = None
     #: After a cut-off COMMIT: what the attempt returns, given the key ids whose
-    #: written record is found in the table.
-    resolve: Callable[[set[bytes]], T] | None = None
+    #: written record is found in the table (None: that could not be learned).
+    resolve: Callable[[set[bytes] | None], T] | None = None
+
+    def may_commit(self) -> bool:
+        """Called just before the COMMIT is handed over, with no ``await`` between: False
+        when the run has given up on its caller (roll back instead); else the attempt is
+        ``committing`` from now on, and the run waits for its outcome."""
+        if self.run.abandoned:
+            return False
+        self.committing = True
+        return True
 
 
 #: Work for ``Runner.run``: given a connection and its attempt, the result.
@@ -73,23 +108,26 @@ class Runner:
         self._refusals = refusals
         self._checking: asyncio.Task[None] | None = None
 
-    async def run(self, pool: AsyncConnectionPool[Connection], what: str, work: Work[T]) -> T:
-        """Run ``work`` on a pooled connection, with retries, within the timeout: in a task
-        of its own, so that the caller is answered on time even when cancelling a query
-        on a dead network takes longer (the task finishes in the background)."""
+    async def run(
+        self,
+        pool: AsyncConnectionPool[Connection],
+        what: str,
+        work: Work[T],
+        run: Run | None = None,
+    ) -> T:
+        """Run ``work`` on a pooled connection, with retries, by ``run.deadline`` (by
+        default the timeout from now; see the module's docstring for what happens then):
+        in a task of its own, so that the caller is answered on time even when
+        cancelling a query on a dead network takes longer (the task finishes in the
+        background). ``ServiceUnavailable`` when nothing was written."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._timeout
-        task = loop.create_task(self._attempts(pool, work, deadline))
+        if run is None:
+            run = Run(loop.time() + self._timeout)
+        task = loop.create_task(self._attempts(pool, work, run))
         self.tasks.add(task)
         task.add_done_callback(self._settled)
         try:
-            async with asyncio.timeout_at(deadline):
-                return await asyncio.shield(task)
-        except TimeoutError:
-            self._failures.log(
-                "PostgreSQL store: %s did not finish within %.1f s", what, self._timeout
-            )
-            raise ServiceUnavailable("The lease store did not answer in time") from None
+            return await self._outcome(task, run, what)
         except psycopg.Error as exc:
             self._failures.log("PostgreSQL store: %s failed: %s", what, describe(exc))
             self.note_refusal(exc)
@@ -98,16 +136,47 @@ class Runner:
             if not task.done():
                 task.cancel()
 
-    async def _attempts(
-        self, pool: AsyncConnectionPool[Connection], work: Work[T], deadline: float
-    ) -> T:
+    async def _outcome(self, task: asyncio.Task[T], run: Run, what: str) -> T:
+        """``task``'s result by ``run.deadline``; past it, see the module's docstring."""
+        try:
+            async with asyncio.timeout_at(run.deadline):
+                return await asyncio.shield(task)
+        except TimeoutError:
+            if task.done():  # its own TimeoutError, or done as the deadline came
+                return task.result()
+        attempt = run.attempt
+        if attempt is None or not attempt.committing:
+            run.abandoned = True  # no COMMIT is sent from now on; cancelled, it rolls back
+            self._failures.log(
+                "PostgreSQL store: %s did not finish within %.1f s", what, self._timeout
+            )
+            raise ServiceUnavailable("The lease store did not answer in time")
+        try:
+            async with asyncio.timeout(self._timeout):
+                return await asyncio.shield(task)
+        except TimeoutError:
+            if task.done():
+                return task.result()
+        self._failures.log(
+            "PostgreSQL store: the outcome of a COMMIT (%s) was not known within %.1f s more",
+            what,
+            self._timeout,
+        )
+        if attempt.resolve is None:
+            raise OutcomeUnknown() from None
+        unknown: T = attempt.resolve(None)
+        return unknown
+
+    async def _attempts(self, pool: AsyncConnectionPool[Connection], work: Work[T], run: Run) -> T:
         loop = asyncio.get_running_loop()
         for number in range(1, MAX_ATTEMPTS + 1):
-            attempt: Attempt[T] = Attempt()
+            attempt: Attempt[T] = Attempt(run)
+            run.attempt = attempt
             conn: Connection | None = None
             last = number == MAX_ATTEMPTS
             try:
-                async with pool.connection(timeout=max(0.0, deadline - loop.time())) as conn:
+                timeout = max(0.0, run.deadline - loop.time())
+                async with pool.connection(timeout=timeout) as conn:
                     try:
                         return await work(conn, attempt)
                     except BaseException:
@@ -116,6 +185,7 @@ class Runner:
             except _TRANSIENT as exc:
                 if last:
                     raise
+                run.attempt = None  # answered: its transaction did not commit
                 log.info("PostgreSQL store: retrying after %s", type(exc).__name__)
                 # Jittered backoff, so the transactions that collided do not collide again.
                 await asyncio.sleep(random.uniform(0.001, 0.005 * number))
@@ -131,17 +201,34 @@ class Runner:
                     self._check_pool(pool)
                 if attempt.committing and attempt.resolve is not None:
                     # The COMMIT was sent and its answer lost: look for its effect.
-                    landed = await self.landed(pool, attempt, deadline)
-                    return attempt.resolve(landed)
+                    return attempt.resolve(await self._looked_for(pool, attempt))
                 if broken and not attempt.committing:
                     # Dead before COMMIT was sent: the server rolls that transaction
                     # back, so running it again on another connection is safe.
+                    run.attempt = None
                     log.info("PostgreSQL store: a pooled connection was dead; trying another")
                 else:
                     raise
                 if last:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _looked_for(
+        self, pool: AsyncConnectionPool[Connection], attempt: Attempt[Any]
+    ) -> set[bytes] | None:
+        """``landed`` within a timeout of its own, or None when it cannot be learned."""
+        deadline = asyncio.get_running_loop().time() + self._timeout
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self.landed(pool, attempt, deadline)
+        except (psycopg.Error, TimeoutError) as exc:
+            reason = describe(exc) if isinstance(exc, psycopg.Error) else "timed out"
+            log.warning(
+                "PostgreSQL store: a COMMIT was cut off and its rows could not be read "
+                "back (%s): its callers are told the outcome is unknown",
+                reason,
+            )
+            return None
 
     def note_refusal(self, exc: psycopg.Error) -> bool:
         """Whether ``exc`` says the database cannot take writes at all, not that one

@@ -20,6 +20,7 @@ from psycopg.rows import TupleRow
 
 from leasekeeper._core.model import LeaseRecord
 from leasekeeper._errors import ServiceUnavailable
+from leasekeeper.store._base import not_ours
 
 log = logging.getLogger("leasekeeper.store.postgres")
 
@@ -34,37 +35,60 @@ SCHEMA_VERSION: Final = 1
 # CACHE must stay 1: with CACHE n each session pre-allocates n values, and a session
 # holding an older block would grant lower tokens after one holding a newer block.
 # Values burnt by a rolled-back attempt leave gaps, which the contract allows.
-_DDL: Final = (
-    """
-    CREATE TABLE IF NOT EXISTS leasekeeper_meta (
-        name  text PRIMARY KEY,
-        value bigint NOT NULL
-    )
-    """,
-    """
+_SEQUENCE: Final = """
     CREATE SEQUENCE IF NOT EXISTS leasekeeper_fence
         AS bigint MINVALUE 1 MAXVALUE 9223372036854775807 START 1 CACHE 1 NO CYCLE
-    """,
-    # ``result`` is text, not jsonb: jsonb rejects \\u0000, reorders keys and normalizes
-    # numbers, and a stored result must come back exactly as stored.
     """
-    CREATE TABLE IF NOT EXISTS leasekeeper_leases (
-        key_id              bytea  PRIMARY KEY,
-        fingerprint         bytea,
-        absolute_expires_ms bigint NOT NULL,
-        fencing_token       bigint NOT NULL,
-        owner               bytea,
-        lease_expires_ms    bigint NOT NULL,
-        completed_ms        bigint,
-        result              text,
-        updated_ms          bigint NOT NULL
-    )
-    """,
+
+#: The tables, each column as (name, type, NOT NULL), the first the primary key: the
+#: migration creates them from this, and checks a store's tables against it.
+#: ``result`` is text, not jsonb: jsonb rejects \u0000, reorders keys and normalizes
+#: numbers, and a stored result must come back exactly as stored.
+TABLES: Final = {
+    "leasekeeper_meta": (("name", "text", True), ("value", "bigint", True)),
+    "leasekeeper_leases": (
+        ("key_id", "bytea", True),
+        ("fingerprint", "bytea", False),
+        ("absolute_expires_ms", "bigint", True),
+        ("fencing_token", "bigint", True),
+        ("owner", "bytea", False),
+        ("lease_expires_ms", "bigint", True),
+        ("completed_ms", "bigint", False),
+        ("result", "text", False),
+        ("updated_ms", "bigint", True),
+    ),
+}
+
+
+def _create_table(name: str) -> str:
+    columns = TABLES[name]
+    listed = ", ".join(f"{c} {kind}{' NOT NULL' * required}" for c, kind, required in columns)
+    return f"CREATE TABLE IF NOT EXISTS {name} ({listed}, PRIMARY KEY ({columns[0][0]}))"
+
+
+_DDL: Final = (
+    _create_table("leasekeeper_meta"),
+    _SEQUENCE,
+    _create_table("leasekeeper_leases"),
     """
     CREATE INDEX IF NOT EXISTS leasekeeper_leases_lifecycle_end
         ON leasekeeper_leases (absolute_expires_ms)
     """,
 )
+
+# The columns of the store's tables in its schema, in order: name, type, NOT NULL, and
+# whether the column is (part of) the primary key.
+_TABLE_COLUMNS: Final = (
+    "SELECT c.relname::text, a.attname::text, format_type(a.atttypid, a.atttypmod), "
+    "a.attnotnull, EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid "
+    "AND i.indisprimary AND a.attnum = ANY (i.indkey)) "
+    "FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid "
+    "JOIN pg_namespace n ON n.oid = c.relnamespace "
+    "WHERE n.nspname = current_schema() AND c.relkind IN ('r', 'p') "
+    "AND c.relname IN ('leasekeeper_meta', 'leasekeeper_leases') "
+    "AND a.attnum > 0 AND NOT a.attisdropped ORDER BY c.relname, a.attnum"
+)
+_READ_VERSION: Final = "SELECT value FROM leasekeeper_meta WHERE name = 'schema_version'"
 
 # Serializes schema changes between instances starting at once (CREATE … IF NOT
 # EXISTS is not safe against a concurrent CREATE). Keyed by schema, so stores in
@@ -216,6 +240,10 @@ async def migrate(conn: Connection, schema: str | None) -> None:
                 "The PostgreSQL database must use the UTF8 encoding so that results "
                 "round-trip exactly"
             )
+        # Before anything is created: tables of these names that are not leasekeeper's.
+        problem = _columns_problem(await (await conn.execute(_TABLE_COLUMNS)).fetchall())
+        if problem is not None:
+            raise ServiceUnavailable(f"Cannot open the PostgreSQL store: {problem}")
         sequence = await conn.execute(_FENCE_EXISTS)
         sequence_was_missing = await sequence.fetchone() == (False,)
         for statement in _DDL:
@@ -228,15 +256,16 @@ async def migrate(conn: Connection, schema: str | None) -> None:
             (SCHEMA_VERSION,),
         )
         new_in = await created.fetchone()
-        found = await conn.execute(
-            "SELECT value FROM leasekeeper_meta WHERE name = 'schema_version'"
-        )
+        found = await conn.execute(_READ_VERSION)
         version = first_int(await found.fetchone())
         if version > SCHEMA_VERSION:
             raise ServiceUnavailable(
                 f"The PostgreSQL schema has version {version}; this leasekeeper knows up "
                 f"to {SCHEMA_VERSION}: upgrade leasekeeper"
             )
+        problem = await schema_problem(conn)
+        if problem is not None:
+            raise ServiceUnavailable(f"Cannot open the PostgreSQL store: {problem}")
         cached = await conn.execute(
             "SELECT cache_size FROM pg_sequences "
             "WHERE schemaname = current_schema() AND sequencename = 'leasekeeper_fence'"
@@ -247,6 +276,43 @@ async def migrate(conn: Connection, schema: str | None) -> None:
             await conn.execute("ALTER SEQUENCE leasekeeper_fence CACHE 1")
     if new_in is not None:  # committed: said only of a store that now exists
         log.info("created a new, empty store in the schema %s", new_in[0])
+
+
+def _columns_problem(rows: Iterable[TupleRow], *, all_there: bool = False) -> str | None:
+    """What makes the tables found (rows of ``_TABLE_COLUMNS``) other than ``TABLES``
+    says, or None; with ``all_there``, a table missing is a problem too."""
+    found: dict[str, list[tuple[Any, ...]]] = {}
+    for row in rows:
+        found.setdefault(row[0], []).append(tuple(row[1:]))
+    for table, columns in TABLES.items():
+        if table not in found:
+            if all_there:
+                return f"it has no table {table}"
+            continue
+        wanted = [(*column, at == 0) for at, column in enumerate(columns)]
+        problem = not_ours(table, found[table], wanted)
+        if problem is not None:
+            return problem
+    return None
+
+
+async def schema_problem(conn: Connection) -> str | None:
+    """What keeps the store from deciding (its tables, columns, schema version or
+    fencing counter not as this leasekeeper makes them), or None."""
+    rows = await (await conn.execute(_TABLE_COLUMNS)).fetchall()
+    problem = _columns_problem(rows, all_there=True)
+    if problem is not None:
+        return problem
+    if await (await conn.execute(_FENCE_EXISTS)).fetchone() != (True,):
+        return "the fencing sequence leasekeeper_fence is missing"
+    version = await (await conn.execute(_READ_VERSION)).fetchone()
+    if version is None or version[0] != SCHEMA_VERSION:
+        found = "none" if version is None else str(version[0])
+        return f"its schema version is {found}, and this leasekeeper's is {SCHEMA_VERSION}"
+    fence = await (await conn.execute(READ_FENCE)).fetchone()
+    if fence is None or fence[0] is None or int(fence[0]) < 0:
+        return "its fencing counter cannot be read"
+    return None
 
 
 async def _restart_fence_above_the_table(conn: Connection) -> None:

@@ -22,6 +22,11 @@ is gone.
 Whatever can wait waits off the loop: tasks (purge steps, pings) and a batch that
 finds the write lock taken run whole on the writer's thread, and are fsynced like a
 batch; checkpoints run on a thread and connection of their own (``Checkpointer``).
+The thread waits for the lock only until the batch's earliest deadline: a batch that
+cannot begin in time writes nothing and is answered 503. A batch is claimed from the
+moment it is taken (``Batcher``), so one that commits, even at its deadline, is
+answered with its decisions once fsynced; one committed whose fsync fails (or never
+comes) is answered "outcome unknown", since its write may survive or not.
 The fencing counter has its own row, read inside each transaction, so it never goes
 back, not even when every record is deleted.
 """
@@ -36,17 +41,18 @@ import os
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from leasekeeper._clock import Clock, SystemClock
 from leasekeeper._core.model import Command, Decision
-from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
+from leasekeeper._errors import InternalError, LeaseError, OutcomeUnknown, ServiceUnavailable
 from leasekeeper.store import _sqlite_sql as sql
 from leasekeeper.store import _syncer
 from leasekeeper.store._base import Purged, Refusals, Throttled, decide_in_turn
-from leasekeeper.store._batcher import Batcher, Request, settle
+from leasekeeper.store._batcher import Batcher, Request, earliest, late, settle
 from leasekeeper.store._sqlite_sync import Checkpointer, Files, Syncer, open_wal, report_failure
 
 __all__ = ["SqliteStore"]
@@ -59,8 +65,9 @@ _Item = Command | _Task
 #: A batch's calls, each with its outcome: answered once the WAL is fsynced.
 _Results = list[tuple[Request[_Item], Any]]
 #: Work for the thread, whose future gets the results (None alone stops it): ``_WHOLE``
-#: runs a batch whole, holding the connection; ``_CATCH_UP`` checkpoints on it.
-_Job = tuple[str, list[Request[_Item]], asyncio.Future[_Results]]
+#: runs a batch whole, holding the connection, if it can begin before the
+#: ``time.monotonic()`` given; ``_CATCH_UP`` checkpoints on it.
+_Job = tuple[str, list[Request[_Item]], float, asyncio.Future[_Results]]
 _WHOLE, _CATCH_UP = "whole", "catch-up"
 
 
@@ -72,6 +79,14 @@ def _write_failed() -> ServiceUnavailable:
 def _not_durable() -> ServiceUnavailable:
     """What every call gets once nothing more can be made durable (logged apart)."""
     return ServiceUnavailable("The lease store could not make its writes durable")
+
+
+def _unknown() -> OutcomeUnknown:
+    """What a call gets whose batch was committed but not made durable: after a restart
+    its write may be there or not."""
+    return OutcomeUnknown(
+        "The lease store committed this write but could not make it durable: its outcome is unknown"
+    )
 
 
 class SqliteStore:
@@ -203,13 +218,17 @@ class SqliteStore:
         return counter
 
     async def ping(self) -> None:
-        """The thread answers a query, and no write was refused lately (``Refusals``)."""
+        """The thread can begin a write, the tables, their columns, the schema version
+        and the fencing counter are as this leasekeeper makes them (a decision could be
+        made), and no write was refused lately (``Refusals``)."""
         self._refusals.check()
 
         def run(conn: sqlite3.Connection) -> None:
             if self._refuse_moved():
                 raise _not_durable()
-            conn.execute("SELECT 1").fetchone()
+            problem = sql.schema_problem(conn)
+            if problem is not None:
+                raise ServiceUnavailable(f"The lease store cannot decide: {problem}")
 
         await self._submit(run)
 
@@ -267,18 +286,29 @@ class SqliteStore:
                 settle(request.future, _not_durable())
             return
         if callable(batch[0].item):
-            results = await self._on_thread(_WHOLE, batch)
+            results = await self._whole_on_thread(batch)
         else:
             conn = self._conn
             assert conn is not None
             try:
                 conn.execute("BEGIN IMMEDIATE")  # busy_timeout is 0 on this connection
             except sqlite3.Error:
-                results = await self._on_thread(_WHOLE, batch)
+                results = await self._whole_on_thread(batch)
             else:
                 results = self._commit_on_loop(conn, batch)
         if results:
             self._make_durable(results)
+
+    async def _whole_on_thread(self, batch: list[Request[_Item]]) -> _Results:
+        """``batch`` run whole on the thread, which waits for the write lock until the
+        batch's earliest deadline at most."""
+        until = time.monotonic() + earliest(batch) - asyncio.get_running_loop().time()
+        try:
+            return await self._on_thread(_WHOLE, batch, until)
+        except asyncio.CancelledError:  # the store's loop is ending: the thread may commit
+            for request in batch:
+                settle(request.future, _unknown())
+            raise
 
     def _commit_on_loop(self, conn: sqlite3.Connection, batch: list[Request[_Item]]) -> _Results:
         results: _Results = []
@@ -297,10 +327,12 @@ class SqliteStore:
             raise
         return results
 
-    async def _on_thread(self, kind: str, batch: list[Request[_Item]]) -> _Results:
-        """Have the thread do ``kind`` of job with ``batch``; its results."""
+    async def _on_thread(
+        self, kind: str, batch: list[Request[_Item]], until: float = 0.0
+    ) -> _Results:
+        """Have the thread do ``kind`` of job with ``batch`` (by ``until``); its results."""
         done: asyncio.Future[_Results] = asyncio.get_running_loop().create_future()
-        self._jobs.put((kind, batch, done))
+        self._jobs.put((kind, batch, until, done))
         return await done
 
     def _make_durable(self, results: _Results) -> None:
@@ -328,9 +360,10 @@ class SqliteStore:
         self._fail_unsynced()
 
     def _fail_unsynced(self) -> None:
+        """Answer the batches committed and not made durable: their outcome is unknown."""
         while self._unsynced:
             for request, _ in self._unsynced.popleft():
-                settle(request.future, _not_durable())
+                settle(request.future, _unknown())
 
     # -- the writer's thread ---------------------------------------------------------------
 
@@ -357,11 +390,11 @@ class SqliteStore:
         loop.call_soon_threadsafe(settle, ready, conn)
         try:
             while (job := self._jobs.get()) is not None:
-                kind, batch, done = job
+                kind, batch, until, done = job
                 results: _Results = []
                 if kind == _WHOLE:
                     try:
-                        results = self._run_whole(conn, batch)
+                        results = self._run_whole(conn, batch, until)
                     except Exception:  # never let the thread die: its callers would hang
                         log.exception("SQLite writer failed a batch of %d operations", len(batch))
                         results = [(request, InternalError()) for request in batch]
@@ -389,11 +422,17 @@ class SqliteStore:
         report_failure(moved, _syncer.MOVED.decode())
         return True
 
-    def _run_whole(self, conn: sqlite3.Connection, batch: list[Request[_Item]]) -> _Results:
-        """On the thread: one whole transaction, waiting up to the timeout for the lock."""
+    def _run_whole(
+        self, conn: sqlite3.Connection, batch: list[Request[_Item]], until: float
+    ) -> _Results:
+        """On the thread: one whole transaction, waiting for the lock until ``until`` (a
+        ``time.monotonic()``); a batch that cannot begin by then writes nothing: 503."""
         results: _Results = []
+        wait_ms = int((until - time.monotonic()) * 1000)
+        if wait_ms <= 0:
+            return [(request, late()) for request in batch]
         try:
-            conn.execute(f"PRAGMA busy_timeout = {int(self._timeout * 1000)}")
+            conn.execute(f"PRAGMA busy_timeout = {wait_ms}")
             try:
                 conn.execute("BEGIN IMMEDIATE")
             finally:

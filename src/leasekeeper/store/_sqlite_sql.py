@@ -17,7 +17,7 @@ from pathlib import Path
 
 from leasekeeper._core.model import LeaseRecord
 from leasekeeper._errors import ServiceUnavailable
-from leasekeeper.store._base import Purged
+from leasekeeper.store._base import Purged, not_ours
 
 log = logging.getLogger("leasekeeper.store.sqlite")
 
@@ -80,6 +80,8 @@ STORE_TABLES = (
     "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name IN ('leases', 'meta')"
 )
 READ_VERSION = "SELECT value FROM meta WHERE name = 'schema_version'"
+#: A table's columns as ``SCHEMA`` declares them: name, type, NOT NULL, place in the key.
+_TABLE_COLUMNS = 'SELECT name, upper(type), "notnull", pk FROM pragma_table_info(?) ORDER BY cid'
 COUNT_LIVE = "SELECT count(*) FROM leases WHERE owner IS NOT NULL AND lease_expires_ms > ?"
 #: A purge step walks the table in key order: the next ``limit`` keys past the last
 #: step's, then the finished records among them. Records live in key order, so a
@@ -191,6 +193,46 @@ def purge_step(conn: sqlite3.Connection, after: bytes, limit: int, now_ms: int) 
     return Purged(deleted, bytes(last) if seen == limit else None)
 
 
+_TABLES = ("leases", "meta")
+
+
+@functools.cache
+def _expected_columns() -> dict[str, list[tuple[str, str, int, int]]]:
+    """Each table's columns as ``SCHEMA`` makes them (``_TABLE_COLUMNS``)."""
+    with contextlib.closing(sqlite3.connect(":memory:")) as conn:
+        conn.executescript(SCHEMA)
+        return {table: conn.execute(_TABLE_COLUMNS, (table,)).fetchall() for table in _TABLES}
+
+
+def foreign_tables(conn: sqlite3.Connection) -> str | None:
+    """What makes a table of the file named as one of ours not ours (its columns), or
+    None; a table not there yet is no problem here."""
+    for table, expected in _expected_columns().items():
+        found = conn.execute(_TABLE_COLUMNS, (table,)).fetchall()
+        if found and (problem := not_ours(table, found, expected)) is not None:
+            return problem
+    return None
+
+
+def schema_problem(conn: sqlite3.Connection) -> str | None:
+    """What keeps the store from deciding (its tables, columns, schema version or
+    fencing counter not as this leasekeeper makes them), or None."""
+    for table in _TABLES:
+        if not conn.execute(_TABLE_COLUMNS, (table,)).fetchone():
+            return f"it has no table {table}"
+    problem = foreign_tables(conn)
+    if problem is not None:
+        return problem
+    version = conn.execute(READ_VERSION).fetchone()
+    if version is None or version[0] != SCHEMA_VERSION:
+        found = "none" if version is None else repr(version[0])
+        return f"its schema version is {found}, and this leasekeeper's is {SCHEMA_VERSION}"
+    fence = conn.execute(READ_FENCE).fetchone()
+    if fence is None or type(fence[0]) is not int or fence[0] < 0:
+        return "its fencing counter cannot be read"
+    return None
+
+
 def connect_writer(path: Path, timeout: float) -> sqlite3.Connection:
     """The writer's connection to ``path``: WAL mode, the schema created or checked, and
     ``synchronous=NORMAL`` (the syncer fsyncs the WAL before any answer)."""
@@ -222,6 +264,9 @@ def _set_up(conn: sqlite3.Connection, path: Path, timeout: float) -> None:
     conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
     conn.execute("BEGIN IMMEDIATE")
     try:
+        # Before anything is written: another program's tables of the same names.
+        if (problem := foreign_tables(conn)) is not None:
+            raise RuntimeError(f"{problem}: use another file")
         for statement in SCHEMA.split(";"):
             if statement.strip():
                 conn.execute(statement)
@@ -230,11 +275,13 @@ def _set_up(conn: sqlite3.Connection, path: Path, timeout: float) -> None:
             (SCHEMA_VERSION,),
         ).rowcount
         (version,) = conn.execute(READ_VERSION).fetchone()
-        if version > SCHEMA_VERSION:
+        if isinstance(version, int) and version > SCHEMA_VERSION:
             raise RuntimeError(
                 f"{path} has schema version {version}; this leasekeeper "
                 f"knows up to {SCHEMA_VERSION}: upgrade leasekeeper"
             )
+        if (problem := schema_problem(conn)) is not None:
+            raise RuntimeError(problem)
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")

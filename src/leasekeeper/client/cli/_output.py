@@ -26,6 +26,7 @@ from leasekeeper._errors import (
     LeaseLost,
     MethodNotAllowed,
     NotFound,
+    OutcomeUnknown,
     RateLimited,
     RequestError,
     RequestTimeout,
@@ -43,6 +44,7 @@ __all__ = [
     "EXIT_NOT_STARTED",
     "EXIT_OK",
     "EXIT_UNAVAILABLE",
+    "EXIT_UNKNOWN",
     "OutputLost",
     "client_command",
     "exit_code",
@@ -62,6 +64,9 @@ EXIT_CONFLICT = 12  # the key is bound to another fingerprint
 EXIT_INVALID = 13  # the service refused the request as invalid or too large
 EXIT_UNAVAILABLE = 14  # unreachable, unavailable, rate limited, or a 408: retry
 EXIT_COMPLETED = 15  # acquire: the key's work is already done; the JSON has the result
+# The service could not learn whether the request took effect ("outcome": "unknown"): an
+# acquire may hold the key under a token nobody received until its TTL ends.
+EXIT_UNKNOWN = 16
 EXIT_NOT_STARTED = 127  # run: the command could not be started (the shell's "not found")
 
 
@@ -73,6 +78,8 @@ def exit_code(error: LeaseError) -> int:
         return EXIT_LOST
     if isinstance(error, FingerprintConflict):
         return EXIT_CONFLICT
+    if isinstance(error, OutcomeUnknown):
+        return EXIT_UNKNOWN
     if isinstance(error, RateLimited | ServiceUnavailable | RequestTimeout):
         return EXIT_UNAVAILABLE  # 408: the request was slow to arrive; sent again, it may not be
     if isinstance(error, NotFound | MethodNotAllowed):
