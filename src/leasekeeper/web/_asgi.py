@@ -21,31 +21,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Collection, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, Unpack
 
 from leasekeeper import LeaseError, LeaseLost, PayloadTooLarge
 from leasekeeper.client import AsyncHeldLease, AsyncLeaseClient
-from leasekeeper.web._policy import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_METHODS, Policy
-from leasekeeper.web._problems import Reply, body_too_large, refusal, unreadable
+from leasekeeper.web._policy import Policy, PolicyOptions
+from leasekeeper.web._problems import Reply, body_too_large, lease_refused
 from leasekeeper.web._request import (
     HEADER,
-    Fingerprint,
     IdempotentRequest,
-    KeyScope,
     RequestLease,
     read_key,
 )
 from leasekeeper.web._stored import (
     COMPLETE_RETRY_DELAYS,
-    DEFAULT_STORED_HEADERS,
     LOST_BEFORE_STORED,
     NOT_STORED,
     UNSURE_COMPLETE,
     ResponseRecorder,
-    UnreadableResult,
-    replay,
+    replay_or_unreadable,
     results_to_store,
 )
 
@@ -89,35 +85,10 @@ class IdempotencyMiddleware:
         service: str | AsyncLeaseClient,
         *,
         namespace: str | None,
-        methods: Iterable[str] = DEFAULT_METHODS,
-        paths: Iterable[str] | Callable[[str], bool] | None = None,
-        required: bool = False,
-        ttl: int = 30,
-        stored_statuses: Collection[int] | Callable[[int], bool] | None = None,
-        wait: float = 0.0,
-        fail_open: bool = False,
-        fingerprint: Fingerprint | None = None,
-        key_scope: KeyScope | None = None,
-        stored_headers: Iterable[str] = DEFAULT_STORED_HEADERS,
-        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-        docs_url: str | None = None,
+        **options: Unpack[PolicyOptions],
     ) -> None:
         self.app = app
-        self.policy = Policy.build(
-            namespace=namespace,
-            methods=methods,
-            paths=paths,
-            required=required,
-            ttl=ttl,
-            stored_statuses=stored_statuses,
-            wait=wait,
-            fail_open=fail_open,
-            fingerprint=fingerprint,
-            key_scope=key_scope,
-            stored_headers=stored_headers,
-            max_request_bytes=max_request_bytes,
-            docs_url=docs_url,
-        )
+        self.policy = Policy.build(namespace=namespace, **options)
         if isinstance(service, AsyncLeaseClient):
             self._url: str | None = None
             self._lease_client = service
@@ -203,19 +174,14 @@ class IdempotencyMiddleware:
                     )
                 )
             except LeaseError as error:
-                reply = refusal(policy, error)
+                reply = lease_refused(policy, error)
                 if reply is None:
-                    log.warning(
-                        "leasekeeper is unavailable (%s): the request runs unguarded", error.error
-                    )
                     await self.app(_scope_with(scope, None), receive, send)
                 else:
-                    if reply.status == 400:
-                        log.warning("leasekeeper refused an Idempotency-Key: %s", error.error)
                     await _send_reply(send, reply)
                 return
             if lease.completed:
-                await _send_reply(send, _replay(policy, lease.result))
+                await _send_reply(send, replay_or_unreadable(policy, lease.result))
                 return
             exchange = _Exchange(policy, lease, send)
             await self.app(_scope_with(scope, lease), receive, exchange.send)
@@ -266,14 +232,6 @@ def _scope_with(scope: Scope, lease: AsyncHeldLease | None) -> Scope:
         if not name.startswith("http.response.")
     }
     return {**scope, "state": state, "extensions": extensions}
-
-
-def _replay(policy: Policy, result: Any) -> Reply:
-    try:
-        return replay(policy, result)
-    except UnreadableResult:
-        log.error("the result stored for an Idempotency-Key is not a stored response")
-        return unreadable(policy)
 
 
 async def _send_reply(send: Send, reply: Reply) -> None:

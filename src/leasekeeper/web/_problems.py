@@ -6,6 +6,7 @@ repeats the key: it is a secret.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -16,12 +17,15 @@ from leasekeeper import FingerprintConflict, InvalidRequest, LeaseError, LeaseHe
 if TYPE_CHECKING:
     from leasekeeper.web._policy import Policy
 
+log = logging.getLogger("leasekeeper.web")
+
 __all__ = [
     "Reply",
     "body_too_large",
     "in_flight",
     "key_malformed",
     "key_missing",
+    "lease_refused",
     "problem",
     "refusal",
     "status_line",
@@ -185,3 +189,14 @@ def refusal(policy: Policy, error: LeaseError) -> Reply | None:
         "Retry after the Retry-After delay.",
         [("retry-after", str(retry_after))],
     )
+
+
+def lease_refused(policy: Policy, error: LeaseError) -> Reply | None:
+    """``refusal``, with a WARNING when the request goes through unguarded or the
+    service refused the key."""
+    reply = refusal(policy, error)
+    if reply is None:
+        log.warning("leasekeeper is unavailable (%s): the request runs unguarded", error.error)
+    elif reply.status == 400:
+        log.warning("leasekeeper refused an Idempotency-Key: %s", error.error)
+    return reply

@@ -17,11 +17,12 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import logging
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from leasekeeper import RateLimited, RequestTimeout, ServerError
-from leasekeeper.web._problems import Reply, problem
+from leasekeeper.web._problems import Reply, problem, unreadable
 
 if TYPE_CHECKING:
     from leasekeeper.web._policy import Policy
@@ -37,10 +38,13 @@ __all__ = [
     "ResponseRecorder",
     "UnreadableResult",
     "replay",
+    "replay_or_unreadable",
     "result_size",
     "results_to_store",
     "stored_result",
 ]
+
+log = logging.getLogger("leasekeeper.web")
 
 #: The header every replayed response carries (Stripe's name for it).
 REPLAYED = ("idempotent-replayed", "true")
@@ -220,3 +224,12 @@ def replay(policy: Policy, result: Any) -> Reply:
         except binascii.Error:
             raise UnreadableResult("the stored body is not base64") from None
     return Reply(status, [*headers, REPLAYED], body)
+
+
+def replay_or_unreadable(policy: Policy, result: Any) -> Reply:
+    """``replay``, or the 500 (logged as an ERROR) for a result it cannot read."""
+    try:
+        return replay(policy, result)
+    except UnreadableResult:
+        log.error("the result stored for an Idempotency-Key is not a stored response")
+        return unreadable(policy)
