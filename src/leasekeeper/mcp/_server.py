@@ -1,31 +1,16 @@
 """The MCP adapter: five lease tools over one ``LeaseService``.
 
-Each tool is one service operation. Its arguments are the HTTP body's fields,
-passed to ``service.handle`` as they came (the service validates them exactly as
-it validates an HTTP body), and its result is the HTTP body: as structured
-content, and as JSON text for clients that read only text. A refusal
-(``LeaseError``) is a tool error result (``isError: true``) carrying the error's
-body, so an agent can read ``status`` and ``retry_after_seconds``. Errors become
-results in one place, ``call_lease_tool``.
+Each tool is one service operation: its arguments are the HTTP body's fields, validated
+by the service exactly as HTTP's, and its result is the HTTP body (structured content,
+and JSON text). A ``LeaseError`` is a tool error result carrying the error's body; all
+outcomes are mapped in ``call_lease_tool``. Over ``/mcp`` calls spend the same
+``Limits`` as the HTTP routes, by the POST's client address; over stdio nothing is
+rate limited.
 
-Tool calls over ``/mcp`` take from the same rate limits as the HTTP routes
-(``leasekeeper serve`` makes one ``Limits`` and hands it to both, which apply it
-with ``Limits.enforce``): every call from the client's address when the
-per-address limit is on, every call naming a namespace from that namespace's
-bucket when the per-namespace limit is on, and every mint from the address's
-mint bucket. The address is the HTTP client's, which the SDK passes to a tool
-handler as ``ctx.request`` (the Starlette request of the POST). Over stdio the
-peer is a local process with no address, and nothing is rate limited.
-
-The server is built on the SDK's low-level ``Server`` rather than ``MCPServer``:
-``MCPServer`` derives schemas from Python signatures and validates arguments with
-pydantic in lax mode (``"60"`` and ``true`` would pass as integers), while the
-contract wants the same strict validation as HTTP. Here the input schemas are
-derived from the request models' fields, and the only validation is the service's.
-
-The transports are mcp._http (streamable HTTP at ``/mcp``, beside the HTTP API) and
-mcp._stdio (``leasekeeper mcp``). Nothing in this package logs tool arguments or
-results: they hold namespaces, keys, owner tokens, fingerprints and results.
+Built on the SDK's low-level ``Server``: ``MCPServer`` validates arguments in pydantic's
+lax mode (``"60"`` and ``true`` would pass as integers). Transports: ``_http`` (``/mcp``)
+and ``_stdio`` (``leasekeeper mcp``). Nothing here logs tool arguments or results: they
+hold secrets.
 """
 
 from __future__ import annotations
@@ -332,15 +317,9 @@ async def call_lease_tool(
     limits: Limits | None = None,
     scope: Mapping[str, Any] | None = None,
 ) -> types.CallToolResult:
-    """Run tool ``name`` on ``service``; every outcome but an unknown tool is a result.
-
-    This is the one place where MCP maps outcomes: a reply is a result, a
-    ``LeaseError`` is an error result with the same body as over HTTP. With
-    ``limits``, the call spends what an HTTP request of the same operation and
-    body would, at the same points (the address before anything else, the mint
-    and namespace limits once the arguments pass the checks HTTP's parser makes),
-    for the client address of the ASGI ``scope`` of the HTTP request
-    (``"unknown"`` without one); a refusal is the ``rate_limited`` error.
+    """Run tool ``name`` on ``service``; every outcome but an unknown tool is a result
+    (a ``LeaseError``: an error result with HTTP's body). With ``limits``, the call
+    spends what the same HTTP request would, for the ASGI ``scope``'s client address.
     """
     operation = TOOL_OPERATIONS.get(name)
     if operation is None:
@@ -348,9 +327,8 @@ async def call_lease_tool(
         raise MCPError(code=types.INVALID_PARAMS, message=f"Unknown tool: {name}")
     data = dict(arguments or {})
     try:
-        # In HTTP's order: the address pays for any request; the arguments are checked
-        # as HTTP's parser checks a body (depth, lone surrogates: JSON-RPC parsers do
-        # not); only then are the mint and namespace limits spent.
+        # In HTTP's order: address limit, the body checks HTTP's parser makes, then the
+        # mint and namespace limits.
         if limits is not None:
             limits.enforce_address(scope or {})
         check_tree(data)
@@ -362,8 +340,7 @@ async def call_lease_tool(
         body = error.body()
         return _result(body, orjson.dumps(body), is_error=True)
     except Exception:
-        # Like HTTP's unexpected_handler: the traceback goes to the log, never
-        # the arguments; the caller gets ``internal`` without details.
+        # As HTTP's: the traceback is logged, never the arguments.
         log.exception("unexpected error in MCP tool %s", name)
         body = InternalError().body()
         return _result(body, orjson.dumps(body), is_error=True)
@@ -378,13 +355,8 @@ def _result(body: dict[str, Any], text: bytes, *, is_error: bool) -> types.CallT
 
 
 def create_mcp_server(service: LeaseService, *, limits: Limits | None = None) -> Server[Any]:
-    """An MCP server exposing the five lease tools over ``service``.
-
-    The server does not open or close the service: its owner does (the HTTP
-    app's lifespan, or ``serve_stdio``). With ``limits`` (streamable HTTP), tool
-    calls take from them per HTTP client address and per namespace, as HTTP
-    requests do; without (stdio), nothing is rate limited.
-    """
+    """An MCP server with the five lease tools over ``service``, which its owner opens
+    and closes. ``limits`` as for ``call_lease_tool``."""
 
     tools = lease_tools(service.lifecycle_seconds)
     schemas = {tool.name: tool.input_schema for tool in tools}
@@ -428,8 +400,7 @@ def _version() -> str:
 
 
 def quiet_sdk_logs() -> None:
-    """Keep the MCP SDK's own loggers at WARNING or above (a root level above WARNING
-    still applies): at DEBUG the SDK logs frames whole, tool arguments (namespaces,
-    keys, owner tokens) included, and its INFO lines are transport chatter."""
+    """Keep the MCP SDK's loggers at WARNING or above: at DEBUG it logs whole frames,
+    secrets included."""
     sdk = logging.getLogger("mcp")
     sdk.setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))
