@@ -1,14 +1,10 @@
 """Secret formats and the digests that are stored instead of them.
 
-Nothing raw is ever stored. For a key in a namespace the id is an HMAC keyed by
-a key derived from the namespace's 32 secret bytes, so a readable key such as
-``invoice:2026-09-05`` cannot be reversed from the database, and the same key in
-two namespaces has unrelated ids. A key without a namespace is high-entropy by
-rule and is hashed with SHA-256 under its own domain tag. Fingerprint digests are
-keyed by the namespace secret (or by the raw key without a namespace) and bound to
-the key id. Owner tokens are stored as SHA-256 and compared in constant time.
-
-Random bytes are passed in by the caller; this module reads no randomness.
+Nothing raw is stored. A namespaced key's id is an HMAC under a key derived from the
+namespace secret (not reversible; unrelated across namespaces); a bare key (random by
+rule) is SHA-256 under its own tag. Fingerprint digests are keyed by the namespace
+secret (or the bare key) and bound to the key id; owner tokens are SHA-256, compared in
+constant time. Random bytes come from the caller.
 """
 
 from __future__ import annotations

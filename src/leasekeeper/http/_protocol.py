@@ -59,12 +59,10 @@ __all__ = [
 ]
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
-#: Bytes of a request's head past which, while it has not ended, the request is refused:
-#: llhttp keeps no bound of its own, and uvicorn keeps every header line it reads.
+#: Bytes of an unfinished request head past which it is refused (llhttp sets no bound).
 MAX_HEAD_BYTES = 65_536
-#: Requests that may wait on one connection while an earlier one is answered (HTTP/1.1
-#: pipelining). A request past them, and every later one, is not run; those waiting are
-#: answered, then the connection is closed: every answered request ran, no other did.
+#: Pipelined requests that may wait on one connection; one past them, and every later
+#: one, is not run; those waiting are answered, then the connection is closed.
 MAX_PIPELINED = 32
 
 
@@ -293,8 +291,7 @@ class _IgnoredUpgrade(_Uvicorn):
     _lk_in_body: bool  # _BoundedPipeline's
 
     def data_received(self, data: bytes) -> None:
-        # uvicorn's own, except for an upgrade it does not take (_lk_ignore_upgrade),
-        # in a loop: one read may hold many requests that each offer one.
+        # uvicorn's own, but looping past upgrades it does not take (_lk_ignore_upgrade).
         self._unset_keepalive_if_required()
         unread = memoryview(data)
         while unread:
@@ -302,8 +299,7 @@ class _IgnoredUpgrade(_Uvicorn):
                 self.parser.feed_data(unread)
             except httptools.HttpParserError:
                 if len(getattr(self, "url", b"")) > _MAX_TARGET_BYTES:  # set per request
-                    # uvicorn's parse_url failed in a callback: a head over MAX_HEAD_BYTES,
-                    # refused as such rather than as malformed.
+                    # uvicorn's parse_url failed: refused as too large, not malformed.
                     self.transport.write(_TARGET_TOO_LARGE)
                     self.transport.close()
                     return
@@ -336,8 +332,7 @@ class _IgnoredUpgrade(_Uvicorn):
         self._lk_in_body = True
         self.cycle.message_event.clear()
         self.parser = httptools.HttpRequestParser(_AfterReplayedHead(self))
-        # As uvicorn's own parser: a request after one that asks to close the
-        # connection is not an error (it is answered after the earlier ones, unrun).
+        # As uvicorn's own parser: data after a request that closes is no error.
         with contextlib.suppress(AttributeError):  # httptools < 0.6.3
             self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
         self.parser.feed_data(b"".join(head))  # no offer in it: never raises an upgrade
@@ -355,8 +350,7 @@ class _BoundedPipeline(_SlowClientGuard):
     is remembered: on a lost connection uvicorn tells only the one parsed last.
     """
 
-    #: A request was dropped: none after it runs, and the connection ends once the
-    #: requests already waiting are answered.
+    #: A request was dropped: none after it runs; the connection ends after those waiting.
     _lk_overflowed = False
     #: The answers are all sent: what the client sends now is read and dropped.
     _lk_lingering = False
@@ -372,11 +366,9 @@ class _BoundedPipeline(_SlowClientGuard):
     _lk_body_timer: asyncio.TimerHandle | None = None
     #: The server is stopping: a connection its answer ends is closed at once.
     _lk_stopping = False
-    #: A chunk's size line is parsed and none of its data yet: after the last chunk's
-    #: (size 0), the trailer section follows, until that chunk completes.
+    #: A chunk's size line is parsed and none of its data yet (after size 0: trailers).
     _lk_chunk_bare = False
-    #: Bytes of the reads that went wholly to a chunked body's trailer section, bounded
-    #: as a head is (uvicorn keeps trailers among the headers); not the read it begins in.
+    #: Bytes of reads that went wholly to a chunked body's trailers, bounded as a head is.
     _lk_trailer_bytes = 0
     #: The parser handed over body bytes in the read being parsed.
     _lk_body_seen = False
@@ -443,11 +435,9 @@ class _BoundedPipeline(_SlowClientGuard):
             self.pipeline.popleft()  # this one (uvicorn adds on the left): never run
         cycle = self.cycle
         if cycle is not None and cycle.transport is self.transport:  # a request began
-            # uvicorn closes the request's transport when its answer ends the connection.
             cycle.transport = cast("asyncio.Transport", self._lk_request_transport)
             if not cycle.keep_alive:
-                # It asks to close the connection (HTTP/1.0, Connection: close): uvicorn
-                # closes once it is answered, maybe with later requests unread.
+                # It asks to close: uvicorn closes after it, maybe with requests unread.
                 self._lk_closing = True
         self._lk_in_body = True  # until on_message_complete, at once when there is none
 
@@ -456,8 +446,7 @@ class _BoundedPipeline(_SlowClientGuard):
         self._lk_body_arrived()
         super().on_message_complete()
         if answered and self._lk_timer is None and not self.transport.is_closing():
-            # The connection awaits its next request, whose head is on the clock from
-            # now, as on a new connection: uvicorn's keep-alive timer went with the body.
+            # The next request's head is on the clock from now, as on a new connection.
             self._lk_arm()
 
     def _lk_head_may_follow(self, waiting: bool) -> bool:
@@ -484,8 +473,7 @@ class _BoundedPipeline(_SlowClientGuard):
             self._lk_linger()
             return
         if self._lk_body_timer is None and self._lk_body_coming():
-            # Answered before its body had all arrived: the parser reads and drops the
-            # rest, which must come within the request timeout.
+            # Answered before all its body arrived: the rest must come within the timeout.
             self._lk_body_timer = self.loop.call_later(self.request_timeout, self._lk_body_late)
         super().on_response_complete()
         if (self.pipeline or self._lk_overflowed) and not self.transport.is_closing():

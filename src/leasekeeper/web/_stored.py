@@ -1,8 +1,7 @@
 """A response encoded for storage with leasekeeper's ``complete``, and decoded for a replay.
 
-A stored response is one JSON object whose field names are all this module's own, so
-the service's redaction (any field named like ``token`` or ``cookie``) never touches
-it; headers go in a list of ``[name, value]`` pairs, which it does not rewrite::
+Field names are this module's own, so the service's redaction never touches them;
+headers are ``[name, value]`` pairs, which it does not rewrite::
 
     {"http_response": 1, "status": 201,
      "headers": [["content-type", "application/json"], ["location", "/orders/7"]],
@@ -151,9 +150,8 @@ def stored_result(
 def results_to_store(
     policy: Policy, status: int, headers: list[tuple[str, str]], body: bytes | None
 ) -> Iterator[dict[str, Any]]:
-    """What to ``complete`` with, in order, while the service refuses each as too large
-    (its limit may be set below ours): the response, then its status and headers with
-    the body omitted, then its status alone."""
+    """What to ``complete`` with, each tried while the previous is refused as too large:
+    the response, then without its body, then its status alone."""
     yield stored_result(policy, status, headers, body)
     if body is not None:
         yield stored_result(policy, status, headers, None)
@@ -161,8 +159,7 @@ def results_to_store(
 
 
 #: A ``complete`` refused with one of these may have stored the result or not: it is tried
-#: again after each of ``COMPLETE_RETRY_DELAYS`` (the client then asks the service whether
-#: its earlier attempt stored it).
+#: again after each of ``COMPLETE_RETRY_DELAYS``.
 UNSURE_COMPLETE = (ServerError, RateLimited, RequestTimeout)
 COMPLETE_RETRY_DELAYS = (0.25, 1.0)
 #: WARNINGs of a response sent but not stored, with the lease's fencing token (not the key).
@@ -183,9 +180,8 @@ def result_size(result: Any) -> int:
 
 
 def replay(policy: Policy, result: Any) -> Reply:
-    """The stored response as sent again, with ``Idempotent-Replayed: true``; a body that
-    was not kept becomes a problem body saying so. ``UnreadableResult`` if ``result``
-    is not one ``stored_result`` made."""
+    """The stored response with ``Idempotent-Replayed: true`` (a body not kept: a problem
+    body saying so); ``UnreadableResult`` if ``result`` is not one ``stored_result`` made."""
     if not (
         isinstance(result, dict)
         and result.get(_RESULT_TAG) == 1
