@@ -32,13 +32,8 @@ client SDK raises the very same classes when it reads such a body back.
         │                           reset, timeout); the request may or may not have landed
         └── InternalError           500 internal, never with details
 
-The client reads an error back with ``error_from_body``, the inverse of
-``body()``: the body's ``status`` word picks the class (``unavailable`` with
-``"outcome": "unknown"``: ``OutcomeUnknown``), and the HTTP status code picks one
-when the body is not ours (a proxy's HTML page, say).
-
-Messages never contain a request's values: a namespace, key, token or fingerprint
-is a secret, and an error body may end up in a log.
+The client reads an error back with ``error_from_body``, the inverse of ``body()``.
+Messages never contain a request's values: they are secrets, and bodies reach logs.
 """
 
 from __future__ import annotations

@@ -80,11 +80,8 @@ def format_owner_token(random32: bytes) -> str:
 
 def parse_namespace(namespace: str) -> bytes | None:
     """The namespace's 32 secret bytes, or None when it is not a well-formed namespace.
-
-    Every request names its namespace and workers use few: the answers for the
-    1,024 most recent are kept, as ``_namespace_macs`` keeps their HMAC states (a
-    speed trick: docs/performance.md). Only text of a namespace's length is kept: a
-    client's 60 KB "namespace" is refused unkept."""
+    Answers for the 1,024 most recent are kept (a speed trick: docs/performance.md),
+    only for text of a namespace's length."""
     if len(namespace) != NAMESPACE_LENGTH:
         return None
     return _parse_namespace(namespace)
@@ -111,13 +108,9 @@ def _hmac(key: bytes, message: bytes) -> bytes:
 
 @functools.lru_cache(maxsize=1024)
 def _namespace_macs(namespace_secret: bytes) -> tuple[hmac.HMAC, hmac.HMAC]:
-    """HMAC states keyed by the namespace's two derived keys (key ids, fingerprints).
-
-    Deriving the two keys and setting up their states costs many times what a digest
-    from a copied state does, and workers use few namespaces: each one's states are
-    kept (for the 1,024 most recent) and copied per use (a speed trick:
-    docs/performance.md).
-    """
+    """HMAC states keyed by the namespace's two derived keys (key ids, fingerprints),
+    kept for the 1,024 most recent namespaces and copied per use (a speed trick:
+    docs/performance.md)."""
     key_mac = hmac.new(_hmac(namespace_secret, _NS_KEY_LABEL), digestmod="sha256")
     fingerprint_mac = hmac.new(_hmac(namespace_secret, _NS_FP_LABEL), digestmod="sha256")
     return key_mac, fingerprint_mac

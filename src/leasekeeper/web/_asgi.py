@@ -63,20 +63,14 @@ _STATE_NAME = "leasekeeper"
 class IdempotencyMiddleware:
     """Makes an ASGI app's POST and PATCH requests idempotent by their ``Idempotency-Key``.
 
-    ``service`` is leasekeeper's URL (``http://127.0.0.1:8787``) or an
-    ``AsyncLeaseClient``; ``namespace`` a minted ``ns_...`` (keys may then be readable
-    strings such as ``order-17``; without one the service only takes high-entropy keys).
-    Options: ``methods`` guarded; ``paths`` (exact paths, prefixes ending with ``*``,
-    or a function of the path); ``required`` (a guarded request without a key is 400);
-    ``ttl`` of the lease, renewed while the app runs; ``stored_statuses`` (a
-    collection or a function; every status below 500 by default); ``wait`` seconds a
-    duplicate waits for the first to finish (0: it gets 409 at once); ``fail_open``
-    (leasekeeper unreachable: run the request unguarded, with a WARNING, instead of
-    503); ``fingerprint`` and ``key_scope``, functions of an ``IdempotentRequest``;
-    ``stored_headers``; ``max_request_bytes``; ``docs_url`` for the problems' type.
-
-    The app finds its lease in ``scope["state"]["leasekeeper"]`` (a ``RequestLease``,
-    None when it runs unguarded). See docs/middleware.md.
+    ``service`` is leasekeeper's URL or an ``AsyncLeaseClient``; ``namespace`` a minted
+    ``ns_...`` (or None: the service then takes only high-entropy keys). The options
+    (``PolicyOptions``): ``methods``, ``paths`` (exact, prefixes ending with ``*``, or a
+    function), ``required``, ``ttl``, ``stored_statuses`` (below 500 by default),
+    ``wait`` (0: a duplicate gets 409 at once), ``fail_open`` (run unguarded rather than
+    503), ``fingerprint``, ``key_scope``, ``stored_headers``, ``max_request_bytes``,
+    ``docs_url``. The app finds its lease in ``scope["state"]["leasekeeper"]`` (a
+    ``RequestLease``, None when unguarded). See docs/middleware.md.
     """
 
     def __init__(
