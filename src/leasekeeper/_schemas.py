@@ -260,9 +260,8 @@ class _FlatSchema(GenerateJsonSchema):
 
 
 def tool_input_schema(model: type[BaseModel], descriptions: dict[str, str]) -> dict[str, Any]:
-    """The model's fields as one flat JSON Schema object, each field described by
-    ``descriptions`` (which must name every field). Cross-field rules (``_KEY_RULE``)
-    are left out: several MCP clients refuse ``if``, ``not`` and ``anyOf``."""
+    """The model's fields as one flat JSON Schema object described by ``descriptions``;
+    no cross-field rules (several MCP clients refuse ``if``, ``not`` and ``anyOf``)."""
     schema = model.model_json_schema(schema_generator=_FlatSchema)
     return {
         "type": "object",

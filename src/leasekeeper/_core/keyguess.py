@@ -308,9 +308,8 @@ def guessing_bits(key: str) -> float:
 
 
 def estimate_below(key: str, bits: float) -> float | None:
-    """``guessing_bits(key)`` if that is below ``bits``, else None: the same answer as
-    comparing the two, at a fraction of the cost for most random keys (see
-    ``_surely_at_least``)."""
+    """``guessing_bits(key)`` if that is below ``bits``, else None; cheap for most random
+    keys (``_surely_at_least``)."""
     if _surely_at_least(key, bits):
         return None
     estimate = guessing_bits(key)

@@ -72,9 +72,8 @@ class LeaseEndpoint:
     async def __call__(
         self, scope: Scope, receive: Receive, send: Send, request_id: bytes | None = None
     ) -> int:
-        """Answer one request. With ``request_id`` (as ``LeaseApp`` calls it) the answer
-        carries every header of a response, security headers and X-Request-Id included;
-        without, as a plain ASGI app, the layer around it must add those."""
+        """Answer one request; without ``request_id`` (as a plain ASGI app) the layer
+        around it must add the security headers and X-Request-Id."""
         extra = None
         state = {"body_read": False}
         try:

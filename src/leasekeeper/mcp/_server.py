@@ -1,11 +1,9 @@
 """The MCP adapter: five lease tools over one ``LeaseService``.
 
 Each tool is one service operation: its arguments are the HTTP body's fields, validated
-by the service exactly as HTTP's, and its result is the HTTP body (structured content,
-and JSON text). A ``LeaseError`` is a tool error result carrying the error's body; all
-outcomes are mapped in ``call_lease_tool``. Over ``/mcp`` calls spend the same
-``Limits`` as the HTTP routes, by the POST's client address; over stdio nothing is
-rate limited.
+as HTTP's are, and its result is the HTTP body (structured, and as JSON text); a
+``LeaseError`` is a tool error result with the error's body (``call_lease_tool``).
+Over ``/mcp`` calls spend the HTTP routes' ``Limits``; over stdio nothing is limited.
 
 Built on the SDK's low-level ``Server``: ``MCPServer`` validates arguments in pydantic's
 lax mode (``"60"`` and ``true`` would pass as integers). Transports: ``_http`` (``/mcp``)

@@ -135,9 +135,8 @@ def not_ours(
 def decide_with_fence(
     record: LeaseRecord | None, command: Command, now_ms: int, next_fence: Callable[[], int]
 ) -> Decision:
-    """The rules' decision, with a token from ``next_fence`` when it grants a new owner:
-    called only then, inside the caller's transaction, it must return a value higher
-    than any it returned before."""
+    """The rules' decision, with a token from ``next_fence`` (called inside the caller's
+    transaction, only for a new owner; always higher than before)."""
     decision = decide(record, command, now_ms)
     if decision.new_owner:
         fence = next_fence()

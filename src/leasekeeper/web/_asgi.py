@@ -215,9 +215,8 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
 
 
 def _scope_with(scope: Scope, lease: AsyncHeldLease | None) -> Scope:
-    """A copy of ``scope`` carrying the lease in its state, without the ``http.response.*``
-    extensions (zero-copy and path sends, trailers, early hints): their messages carry
-    what a recorded response cannot hold, and an app uses them only when offered."""
+    """A copy of ``scope`` with the lease in its state and without the ``http.response.*``
+    extensions, whose messages a recorded response cannot hold."""
     state = dict(scope.get("state") or {})
     state[_STATE_NAME] = RequestLease(lease) if lease is not None else None
     extensions = {
@@ -235,9 +234,8 @@ async def _send_reply(send: Send, reply: Reply) -> None:
 
 
 class _Exchange:
-    """The app's ``send`` for a guarded request: records the response and stores it
-    before any of it reaches the client, so that a client that has the response and
-    retries gets it replayed."""
+    """The app's ``send`` for a guarded request: the response is stored before any of it
+    reaches the client, so a client that has it and retries gets it replayed."""
 
     def __init__(self, policy: Policy, lease: AsyncHeldLease, send: Send) -> None:
         self._policy = policy

@@ -57,9 +57,8 @@ def problem(
     detail: str,
     extra: Sequence[tuple[str, str]] = (),
 ) -> Reply:
-    """An ``application/problem+json`` reply. With ``docs_url`` its ``type`` is that page
-    (``#slug``) and a ``Link`` header points there, as the draft suggests; without, the
-    type is ``about:blank``, whose title RFC 9457 says is the status's own phrase."""
+    """An ``application/problem+json`` reply: with ``docs_url``, typed ``docs_url#slug``
+    with a ``Link`` header; without, ``about:blank`` titled by the status phrase."""
     body: dict[str, Any] = {}
     headers = [("content-type", "application/problem+json"), ("content-language", "en")]
     if policy.docs_url:
@@ -155,9 +154,8 @@ def unreadable(policy: Policy) -> Reply:
 
 
 def refusal(policy: Policy, error: LeaseError) -> Reply | None:
-    """The answer to a request whose lease could not be taken, because of ``error``;
-    None when the request should go through unguarded (``fail_open``, and leasekeeper
-    unavailable or answering as it never should)."""
+    """The answer to a request whose lease ``error`` refused; None when it should run
+    unguarded (``fail_open`` and leasekeeper unavailable or misbehaving)."""
     if isinstance(error, LeaseHeld):
         return in_flight(policy)
     if isinstance(error, FingerprintConflict):
