@@ -119,6 +119,19 @@ def _schema(tool: str) -> dict[str, Any]:
     return tool_input_schema(model, _ARGUMENTS)
 
 
+def _hints(
+    title: str, *, read_only: bool = False, destructive: bool = False, idempotent: bool
+) -> types.ToolAnnotations:
+    """A tool's annotations; no tool reaches outside leasekeeper."""
+    return types.ToolAnnotations(
+        title=title,
+        read_only_hint=read_only,
+        destructive_hint=destructive,
+        idempotent_hint=idempotent,
+        open_world_hint=False,
+    )
+
+
 _ERRORS_ANY_TOOL = (
     'Other errors: "invalid" (an argument breaks a rule; the error names it; fix it, do not '
     'retry unchanged), "rate_limited" (too many requests from your address or for this '
@@ -144,15 +157,8 @@ _TOOLS: Final = (
             "retry_after_seconds."
         ),
         input_schema=_schema("create_lease_namespace"),
-        annotations=types.ToolAnnotations(
-            title="Create a lease namespace",
-            # Minting stores nothing: the namespace is its own proof. Every call
-            # returns a new one, hence not idempotent.
-            read_only_hint=True,
-            destructive_hint=False,
-            idempotent_hint=False,
-            open_world_hint=False,
-        ),
+        # Minting stores nothing (the namespace is its own proof); each call makes a new one.
+        annotations=_hints("Create a lease namespace", read_only=True, idempotent=False),
     ),
     types.Tool(
         name="acquire_lease",
@@ -175,15 +181,8 @@ _TOOLS: Final = (
             "reuse a key for other work.\n" + _ERRORS_ANY_TOOL
         ),
         input_schema=_schema("acquire_lease"),
-        annotations=types.ToolAnnotations(
-            title="Acquire a lease",
-            read_only_hint=False,
-            # It creates ownership; it takes nothing away from a live owner.
-            destructive_hint=False,
-            # A repeat after the lease expires makes a new owner: not idempotent.
-            idempotent_hint=False,
-            open_world_hint=False,
-        ),
+        # It takes nothing from a live owner; a repeat after expiry makes a new owner.
+        annotations=_hints("Acquire a lease", idempotent=False),
     ),
     types.Tool(
         name="renew_lease",
@@ -200,14 +199,8 @@ _TOOLS: Final = (
             "needs doing.\n" + _ERRORS_ANY_TOOL
         ),
         input_schema=_schema("renew_lease"),
-        annotations=types.ToolAnnotations(
-            title="Renew a lease",
-            read_only_hint=False,
-            destructive_hint=False,
-            # Repeating it leaves the same state: held until about now + ttl.
-            idempotent_hint=True,
-            open_world_hint=False,
-        ),
+        # Repeating it leaves the same state: held until about now + ttl.
+        annotations=_hints("Renew a lease", idempotent=True),
     ),
     types.Tool(
         name="release_lease",
@@ -221,15 +214,8 @@ _TOOLS: Final = (
             "Do not write the job's output.\n" + _ERRORS_ANY_TOOL
         ),
         input_schema=_schema("release_lease"),
-        annotations=types.ToolAnnotations(
-            title="Release a lease",
-            read_only_hint=False,
-            # It ends the caller's ownership.
-            destructive_hint=True,
-            # A repeat is refused as lost and changes nothing.
-            idempotent_hint=True,
-            open_world_hint=False,
-        ),
+        # It ends the caller's ownership; a repeat is refused as lost and changes nothing.
+        annotations=_hints("Release a lease", destructive=True, idempotent=True),
     ),
     types.Tool(
         name="complete_lease",
@@ -247,15 +233,8 @@ _TOOLS: Final = (
             "(your lease is unchanged).\n" + _ERRORS_ANY_TOOL
         ),
         input_schema=_schema("complete_lease"),
-        annotations=types.ToolAnnotations(
-            title="Complete a lease",
-            read_only_hint=False,
-            # It ends ownership for the whole lifecycle and fixes the result.
-            destructive_hint=True,
-            # A repeat is refused as lost and changes nothing.
-            idempotent_hint=True,
-            open_world_hint=False,
-        ),
+        # It ends ownership for the lifecycle and fixes the result; a repeat changes nothing.
+        annotations=_hints("Complete a lease", destructive=True, idempotent=True),
     ),
 )
 
