@@ -47,17 +47,9 @@ _PAGE = f"""<!doctype html>
 """
 #: What the page may load: its own origin's scripts, style sheets and fetches (the
 #: description, and "Try it out"), and images from there or inline in the style sheet.
-_POLICY = "; ".join(
-    (
-        "default-src 'none'",
-        "script-src 'self'",
-        "style-src 'self'",
-        "img-src 'self' data:",
-        "connect-src 'self'",
-        "base-uri 'none'",
-        "form-action 'none'",
-        "frame-ancestors 'none'",
-    )
+_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
 #: A trailing ``sourceMappingURL`` comment, cut: the package ships no map.
 _SOURCE_MAP = re.compile(rb"\s*/[*/]# sourceMappingURL=[^\n]*\s*\Z")
