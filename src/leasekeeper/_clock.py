@@ -27,12 +27,9 @@ class Clock(Protocol):
 
 
 def _elapsed_clock(clocks: Any, platform: str) -> Callable[[], int]:
-    """What ``elapsed_ns`` reads, from ``clocks`` (the ``time`` module) on ``platform``
-    (``sys.platform``): a clock that counts a suspend of the machine as the wall clock
-    does, where there is one. ``CLOCK_BOOTTIME`` on Linux; on macOS ``CLOCK_MONOTONIC``,
-    which its ``clock_gettime`` documents as going on while the system sleeps (there
-    ``time.monotonic`` reads ``mach_absolute_time``, which stops); else the monotonic
-    clock."""
+    """What ``elapsed_ns`` reads (``clocks``: the ``time`` module): a clock that counts a
+    suspend, where there is one: ``CLOCK_BOOTTIME`` on Linux, ``CLOCK_MONOTONIC`` on
+    macOS (``time.monotonic`` stops there); else the monotonic clock."""
     if hasattr(clocks, "CLOCK_BOOTTIME"):
         return functools.partial(clocks.clock_gettime_ns, clocks.CLOCK_BOOTTIME)
     if platform == "darwin" and hasattr(clocks, "CLOCK_MONOTONIC"):
@@ -47,23 +44,17 @@ elapsed_ns: Callable[[], int] = _elapsed_clock(time, sys.platform)
 
 
 def elapsed_seconds() -> float:
-    """Seconds of elapsed time (``elapsed_ns``): what the client measures a lease's
-    local expiry with. ``time.monotonic`` stops while the machine is suspended, so
-    after a suspend longer than the TTL a lease would still look held."""
+    """Seconds of elapsed time (``elapsed_ns``), counting a suspend: what the client
+    measures a lease's local expiry with."""
     return elapsed_ns() / 1e9
 
 
 class SystemClock:
     """The wall clock, held so that it never runs backwards nor stands still.
 
-    Normally the wall clock's time. If the wall clock steps back (an NTP correction,
-    an operator, a VM restore), this clock goes on from the last time it handed out
-    at the pace of elapsed time (``elapsed_ns``) for as long as the wall clock is
-    behind it: an expired lease must not come back to life because the clock moved,
-    and no lease may be held longer than its TTL either, as it would be if the clock
-    stood still until the wall clock caught up (every lease in the process, for as
-    long as the step). Once the wall clock is put right, it is followed again, with
-    no jump. A step forward is followed::
+    If the wall clock steps back, this clock goes on from the last time it handed out
+    at the pace of elapsed time until the wall clock catches up: an expired lease must
+    not come back to life, nor a lease outlive its TTL. A step forward is followed::
 
         wall clock     10:00 ──── 10:05 ╮ (stepped back an hour)   ╭ 10:10 ────
                                         ╰ 09:05 ──── 09:10 ────────╯ (put right)
@@ -84,9 +75,7 @@ class SystemClock:
     def now_ms(self) -> int:
         with self._lock:
             wall, elapsed = self._wall_ns(), self._elapsed_ns()
-            # The later of the wall clock and the last time plus the time elapsed since:
-            # the second only wins while the wall clock is behind (read jitter aside,
-            # which does not add up: each reading is measured from the last).
+            # The later of the wall clock and the last time plus the time elapsed since.
             now = max(wall, self._last_ns + max(elapsed - self._last_elapsed_ns, 0))
             self._last_ns, self._last_elapsed_ns = now, elapsed
             return now // 1_000_000

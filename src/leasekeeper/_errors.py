@@ -32,13 +32,8 @@ client SDK raises the very same classes when it reads such a body back.
         │                           reset, timeout); the request may or may not have landed
         └── InternalError           500 internal, never with details
 
-The client reads an error back with ``error_from_body``, the inverse of
-``body()``: the body's ``status`` word picks the class (``unavailable`` with
-``"outcome": "unknown"``: ``OutcomeUnknown``), and the HTTP status code picks one
-when the body is not ours (a proxy's HTML page, say).
-
-Messages never contain a request's values: a namespace, key, token or fingerprint
-is a secret, and an error body may end up in a log.
+The client reads an error back with ``error_from_body``, the inverse of ``body()``.
+Messages never contain a request's values: they are secrets, and bodies reach logs.
 """
 
 from __future__ import annotations
@@ -125,8 +120,7 @@ class PayloadTooLarge(RequestError):
 
 
 class HeadersTooLarge(PayloadTooLarge):
-    """The request's head (request line and headers) is over the limit: the server
-    answers it before any route, and a client reads it back as ``PayloadTooLarge``."""
+    """The request's head is over the limit (server only; a client reads ``PayloadTooLarge``)."""
 
 
 class NotFound(RequestError):
@@ -144,11 +138,8 @@ class MethodNotAllowed(RequestError):
 
 
 class RequestTimeout(RequestError):
-    """The client took too long to send its request's headers or body.
-
-    A slow or stalled client would otherwise hold one of the server's connections
-    for as long as it likes; the connection is closed after this answer.
-    """
+    """The client took too long to send its request's headers or body; the connection
+    is closed after this answer."""
 
     status = "timeout"
     default_message = "The request was not received in time"
@@ -166,11 +157,8 @@ class LeaseConflict(LeaseError):
 
 
 class LeaseHeld(LeaseConflict):
-    """Another owner holds a live lease on the key.
-
-    Wait ``retry_after_seconds`` (never shorter than the real wait) and try again,
-    or do other work. The owner's token is never revealed.
-    """
+    """Another owner holds a live lease on the key; ``retry_after_seconds`` is never
+    shorter than the real wait. The owner's token is never revealed."""
 
     status = "held"
     default_message = "Lease is held"
@@ -205,11 +193,8 @@ class LeaseHeld(LeaseConflict):
 
 
 class FingerprintConflict(LeaseConflict):
-    """The key is bound to a different fingerprint in its current lifecycle.
-
-    This is idempotency-key reuse for different input; nothing of the stored
-    result is revealed. Use a new key, or wait for ``absolute_expires_at``.
-    """
+    """The key is bound to a different fingerprint until ``absolute_expires_at``
+    (a key reused for different input); nothing of the stored result is revealed."""
 
     status = "conflict"
     default_message = (
@@ -226,10 +211,8 @@ class FingerprintConflict(LeaseConflict):
 
 
 class LeaseLost(LeaseConflict):
-    """The caller is not the live owner: wrong token, expired, released or completed.
-
-    Stop the work: somebody else may own the key now. The message says which.
-    """
+    """The caller is not the live owner (wrong token, expired, released or completed:
+    the message says which); stop the work."""
 
     status = "lost"
     default_message = "You do not hold this lease"
@@ -247,15 +230,10 @@ class ServiceUnavailable(ServerError, _RetryLater):
 
 
 class OutcomeUnknown(ServiceUnavailable):
-    """The store may or may not have applied the write: its connection failed with the
-    COMMIT in flight and the rows could not be read back, or it committed but could not
-    make the write durable. The body says so with ``"outcome": "unknown"``.
-
-    An acquire may have granted a lease whose owner token nobody received: the key is
-    then held until that lease's TTL ends, so this is never "not acquired". A renew,
-    release or complete may have taken effect: sent again, it is answered ``lost`` when
-    it had (and an acquire then shows a completed result).
-    """
+    """The store may or may not have applied the write (the body has ``"outcome":
+    "unknown"``). An acquire may have granted a lease nobody received the token of
+    (held until its TTL ends); a renew, release or complete sent again is answered
+    ``lost`` if it had taken effect."""
 
     default_message = (
         "The outcome of this request is unknown: the lease store may or may not have applied it"
@@ -273,25 +251,16 @@ class InternalError(ServerError):
 
 
 class ServiceUnreachable(ServiceUnavailable):
-    """Client only: the service gave no answer (connection refused or reset, a timeout).
-
-    The request may or may not have reached the service: an acquire that timed out
-    may have created a lease this caller never saw the token of (it then expires
-    after its TTL). Retry after ``retry_after_seconds``.
-    """
+    """Client only: no answer (connection refused or reset, a timeout); the request
+    may or may not have landed. Retry after ``retry_after_seconds``."""
 
     status = "unreachable"
     default_message = "Could not reach the lease service; retry shortly"
 
 
 class StaleFence(LeaseLost):
-    """Client only: a protected system refused a write carrying an older fencing token.
-
-    A newer owner of the lease has already written to this resource, so this
-    caller's ownership is over: stop the work. Raised by
-    ``leasekeeper.client.FenceGuard``; ``resource`` is the caller's own name for the
-    protected thing and stays out of the message.
-    """
+    """Client only: ``FenceGuard`` saw a newer fencing token for ``resource`` (which
+    stays out of the message): a newer owner has written; stop the work."""
 
     status = "stale_fence"
     default_message = "A newer fencing token has already been seen for this resource"
@@ -333,9 +302,8 @@ def _str(value: Any) -> str:
     return value if isinstance(value, str) else ""
 
 
-#: The longest wait taken from an answer (31 years: the header's 9 digits). A longer one
-#: is no answer of ours, and is ignored like a malformed one: sleeping it would overflow
-#: (``OverflowError`` in ``time.sleep``) or never end.
+#: The longest wait taken from an answer (9 digits); a longer one is ignored as
+#: malformed (sleeping it would overflow or never end).
 MAX_RETRY_AFTER = 999_999_999
 
 
@@ -396,12 +364,9 @@ def error_from_body(
 ) -> LeaseError:
     """The exception a non-2xx response describes: the inverse of ``LeaseError.body()``.
 
-    ``body`` is the response's JSON object (None when it was not JSON). Its
-    ``status`` word picks the class and its fields fill the attributes. When the
-    word is missing or unknown (a proxy answered, say), ``http_status`` picks the
-    class: an unlisted 4xx is ``InvalidRequest``, anything else ``InternalError``.
-    ``retry_after`` is the ``Retry-After`` header in seconds, used when the body has
-    no ``retry_after_seconds``.
+    ``body`` (None when not JSON): its ``status`` word picks the class; without one,
+    ``http_status`` does (an unlisted 4xx is ``InvalidRequest``, else ``InternalError``).
+    ``retry_after`` (the header) is used when the body has no ``retry_after_seconds``.
     """
     body = body if body is not None else {}
     message = body.get("error")

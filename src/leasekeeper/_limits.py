@@ -1,17 +1,9 @@
 """Token-bucket rate limits kept in memory, one bucket per client address or namespace.
 
-Time comes from an injected monotonic function, so tests move it by hand.
-Buckets are forgotten least-recently-used first beyond ``max_keys``: a full
-bucket and a forgotten one behave the same, so forgetting only ever helps a client.
-
-A server's limits are one ``Limits``, made once from settings
-(``Limits.from_settings``): per client address (requests, off by default), per
-address for namespace mints, and per namespace (requests, off by default).
-``leasekeeper serve`` hands the one ``Limits`` to the HTTP routes and to the MCP
-tools at ``/mcp``, and both apply it with ``Limits.enforce``, so requests from
-one address, or for one namespace, spend one budget whichever way they come.
-A namespace is a secret: its bucket is keyed by its SHA-256 digest, and the
-limits log nothing.
+Time comes from an injected monotonic function. Buckets beyond ``max_keys`` are
+forgotten least-recently-used first (a forgotten bucket is a full one). One ``Limits``
+serves the HTTP routes and ``/mcp`` alike, so both spend one budget. A namespace's
+bucket is keyed by its SHA-256 digest, and the limits log nothing.
 """
 
 from __future__ import annotations
@@ -46,9 +38,7 @@ class RateLimiter:
         self.burst = burst
         self._monotonic = monotonic
         self._max_keys = max_keys
-        # Least recently used first: pop and re-insert moves a key to the end, and the
-        # first is evicted in O(1) (a plain dict finds its first key, after many
-        # deletions, by scanning the holes they leave).
+        # Least recently used first; OrderedDict evicts the first in O(1).
         self._buckets: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()
 
     @property
@@ -83,13 +73,9 @@ class RateLimiter:
 
 
 def client_address(scope: Mapping[str, Any]) -> str:
-    """The key of per-address limits: the ASGI scope's client host as an IP address.
-
-    An IPv6 address counts as its /64, which one host usually holds whole and could
-    otherwise send from address after address; an IPv4-mapped one as its IPv4. A host
-    that is no IP address (a loopback client names its own in ``X-Forwarded-For``,
-    any text up to the head's 64 KiB) is ``"invalid"``, one bucket for them all: no
-    new budget for each new text, and no key of its size kept. No client: ``"unknown"``.
+    """The key of per-address limits: the ASGI scope's client host as an IP address;
+    IPv6 as its /64 (one host usually holds it whole), IPv4-mapped as IPv4. A host that
+    is no IP address is ``"invalid"`` (one bucket for all); no client, ``"unknown"``.
     """
     client = scope.get("client")
     if not client:
@@ -112,13 +98,8 @@ def namespace_digest(namespace: str) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """The rate limits of one server; make one and hand it to every network adapter.
-
-    ``address``: requests per client address (``LEASEKEEPER_ADDRESS_RATE`` /
-    ``_BURST``, off by default); ``mint``: namespace mints per client address
-    (``LEASEKEEPER_NAMESPACE_RATE`` / ``_BURST``); ``namespace``: requests per
-    namespace (``LEASEKEEPER_NAMESPACE_REQUEST_RATE`` / ``_BURST``, off by default).
-    """
+    """The rate limits of one server, shared by every network adapter: requests per
+    client ``address``, namespace ``mint``s per address, requests per ``namespace``."""
 
     address: RateLimiter
     mint: RateLimiter
@@ -149,14 +130,9 @@ class Limits:
         *,
         address: bool = True,
     ) -> None:
-        """Spend what one request costs, or raise ``RateLimited`` at the first refusal.
-
-        The rules every adapter shares, in order: one request of the client
-        address of the ASGI ``scope`` (unless ``address`` is false because the
-        caller took it already, as the HTTP route does before reading the body);
-        one mint of that address when ``operation`` is ``"namespace"``; one request
-        of the namespace when ``data`` carries a ``namespace`` string. A limit that
-        is off costs nothing.
+        """Spend what one request costs, or raise ``RateLimited`` at the first refusal:
+        one request of the ``scope``'s address (unless ``address`` is false: taken
+        already), one mint for ``"namespace"``, one request of ``data``'s namespace.
         """
         if address:
             self.enforce_address(scope)

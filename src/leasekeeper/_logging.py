@@ -1,12 +1,6 @@
-"""Structured logs: one JSON object per line on stderr.
-
-Nothing leasekeeper logs contains a namespace, key, owner token, fingerprint or
-result: request bodies are never logged, and error messages never repeat input.
-
-Every line logged while a request is handled carries its ``request_id``: the outer
-ASGI layer draws a fresh one per request (never taken from the client, which could
-put a secret in it), returns it as ``X-Request-Id`` and sets ``REQUEST_ID`` for the
-request's task, so a client's report of a failure can be matched to its log lines.
+"""Structured logs: one JSON object per line on stderr, never holding a secret or a
+result. A line logged during a request carries its ``request_id`` (drawn by the server,
+never taken from the client, and returned as ``X-Request-Id``).
 """
 
 from __future__ import annotations
@@ -29,10 +23,8 @@ REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", d
 class JsonFormatter(logging.Formatter):
     """``{"ts": ..., "level": ..., "logger": ..., "message": ...}`` per record.
 
-    With ``ascii_only``, every character past ASCII is written as a JSON ``\\uXXXX``
-    escape: for a stderr whose encoding is not UTF-8 (a Latin-1 or ASCII locale), which
-    would write ``ü`` as a Latin-1 byte, or as ``\\xfc``, and the line would be neither
-    UTF-8 nor JSON.
+    With ``ascii_only`` (a stderr not in UTF-8), characters past ASCII are ``\\uXXXX``
+    escapes, so the line stays JSON.
     """
 
     def __init__(self, *, ascii_only: bool = False) -> None:
@@ -70,8 +62,7 @@ def _escaped(text: str) -> str:
 
 
 def formatter_for(stream: object) -> JsonFormatter:
-    """The formatter for JSON lines written to ``stream``: ASCII only unless the stream
-    writes UTF-8 (``JsonFormatter``)."""
+    """The formatter for ``stream``: ASCII only unless it writes UTF-8."""
     try:
         encoding = codecs.lookup(getattr(stream, "encoding", None) or "utf-8").name
     except LookupError:

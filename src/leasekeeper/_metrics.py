@@ -1,19 +1,6 @@
 """Prometheus metrics. Labels are routes, statuses, operations and outcomes: never a key
-or a namespace.
-
-What can be measured without keeping more than the store keeps (no grant time is
-stored, so a lease's hold time is not knowable after the fact):
-
-* requests by route and status, their latency, and requests in flight;
-* every decision by operation and outcome (``granted``, ``held``, ``lost_expired`` …);
-* store latency per operation;
-* lease lengths granted (acquire and renew) and the waits callers are told
-  (``retry_after`` of a ``held`` answer): together, how long leases are held and
-  how long others wait for them;
-* work duration: from a key's first acquire (its lifecycle start) to its result;
-* live leases, counted by the store every ``LEASEKEEPER_LIVE_LEASES_INTERVAL_SECONDS``
-  (a count of grants minus ends would drift across restarts and instances);
-* cleanup runs, their duration and records deleted; slow clients cut off.
+or a namespace. Live leases are counted by the store, periodically (a count of grants
+minus ends would drift across restarts and instances).
 """
 
 from __future__ import annotations
@@ -49,13 +36,8 @@ _LEASE_SECONDS = (1, 5, 15, 30, 60, 120, 300, 900, 3600, 14_400, 86_400)
 
 class Children(dict[Hashable, Callable[..., None]]):
     """One method (``"inc"``, ``"observe"``) of a labelled metric's children, by label
-    value, or by a tuple of label values for several labels.
-
-    ``labels()`` makes a string of each value and a tuple of them on every call; here a
-    child's method is looked up once, on first use, and after that
-    ``children[labels](...)`` is a dict lookup (a speed trick: docs/performance.md).
-    For small fixed label sets only (routes, statuses, operations, outcomes): entries
-    are never dropped.
+    value (a tuple for several), looked up once (a speed trick: docs/performance.md).
+    For small fixed label sets only: entries are never dropped.
     """
 
     def __init__(self, metric: Any, method: str) -> None:
@@ -130,15 +112,9 @@ class _LoopMetric(Collector):
 
 
 class LoopCounter(_LoopMetric):
-    """A labelled Prometheus counter for the request path, updated without a lock.
-
-    prometheus_client's ``Counter`` and ``Histogram`` take a lock and check
-    themselves on every update, five or six times a lease request (a speed trick:
-    docs/performance.md). These children are plain additions, read by the registry
-    when ``/metrics`` is scraped through the same exposition (the same names, labels,
-    buckets and ``_created`` series). Only for metrics updated on the event loop's
-    thread, which also serves ``/metrics``: two threads adding at once could lose a
-    count.
+    """A labelled Prometheus counter updated without a lock (a speed trick:
+    docs/performance.md), exposed as prometheus_client's would be. Only for metrics
+    updated on the event loop's thread: two threads adding at once could lose a count.
     """
 
     def _child(self) -> _CounterChild:
@@ -198,11 +174,8 @@ class LoopHistogram(_LoopMetric):
 
 
 class Metrics:
-    """One registry per application, so several apps in one process do not collide.
-
-    It is also the service's observer (``LeaseService.add_observer``): the service
-    reports each store call and each decision to ``store_call`` and ``decided``.
-    """
+    """One registry per application; also the service's observer (``store_call``,
+    ``decided``)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)

@@ -1,10 +1,8 @@
 """The reply bodies, declared once as types: one per shape the API answers with.
 
-``LeaseService`` builds its replies as these types; the error shapes are those of
-``LeaseError.body()``. The OpenAPI document's response schemas are derived from them
-(``leasekeeper.http._openapi``), each class's docstring being its description. They
-are TypedDicts: a reply is a plain dict, neither validated nor copied at run time,
-and mypy checks each one the service builds.
+``LeaseService`` builds its replies as these TypedDicts (plain dicts at run time,
+checked by mypy); the errors' are ``LeaseError.body()``. The OpenAPI response schemas
+derive from them, each class's docstring being its description.
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ __all__ = [
     "RetryLater",
 ]
 
-# int64 where a value outgrows 32 bits: generators map a bare integer to int32 in Java,
-# Go or C#, and the store-wide fencing counter can pass 2^31.
+# int64: generators map a bare integer to int32, and fencing tokens can pass 2^31.
 _FencingToken = Annotated[int, Field(ge=1, le=2**63 - 1, json_schema_extra={"format": "int64"})]
 _Timestamp = Annotated[
     int, Field(description="Unix seconds, rounded down", json_schema_extra={"format": "int64"})

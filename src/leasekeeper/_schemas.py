@@ -1,17 +1,12 @@
 """The request bodies: each field's type and bounds declared once, and the models.
 
-The OpenAPI request schemas (``model_json_schema()``), the MCP tools' input schemas
-(``tool_input_schema``), the docs' field tables (``field_table``) and the error
-texts (``FIELD_RULES``) are derived from these declarations.
-
-Pydantic validates in strict mode (``true``, ``"60"`` and ``1.5`` are not integers)
-and refuses unknown fields, so a typo such as ``"fingerprnt"`` cannot silently drop
-the idempotency binding. JSON ``null`` for an optional field means the same as
-leaving it out. Every failure becomes ``InvalidRequest`` with a message naming the
-field and its rule; the value itself is never repeated. The namespace and owner
-token shapes and the key rules are checked by ``_KeyBody._check_key``, after
-pydantic's checks, for the service's own messages: for those the declarations give
-the JSON Schema only (``json_schema_extra``).
+The OpenAPI request schemas, the MCP input schemas (``tool_input_schema``), the docs'
+field tables (``field_table``) and the error texts (``FIELD_RULES``) derive from them.
+Pydantic validates strictly (``true``, ``"60"`` and ``1.5`` are not integers) and
+refuses unknown fields; ``null`` for an optional field is the same as leaving it out.
+Every failure is ``InvalidRequest`` naming the field and its rule, never the value.
+The secrets' shapes and the key rules are checked by ``_KeyBody._check_key`` (the
+declarations give their JSON Schema only).
 """
 
 from __future__ import annotations
@@ -76,11 +71,9 @@ def _key_rule(min_chars: int, forbidden: str) -> dict[str, Any]:
     return {"properties": {"key": {"type": "string", **limits}}}
 
 
-# As if/then/else on one flat object, not an anyOf of two: client generators turn an
-# anyOf into two partial models and lose the other fields. Characters are forbidden as
-# "contains none of" (``not`` a search): an anchored ``^[...]*$`` would let a trailing
-# newline through in Python's re. The entropy floor (an estimate of guessing entropy,
-# _core/keyguess.py) has no JSON Schema form: "else" says it.
+# if/then/else on one flat object (client generators split an anyOf into partial
+# models). Characters are forbidden with ``not`` a search: ``^[...]*$`` would let a
+# trailing newline through in Python's re. The entropy floor has no JSON Schema form.
 _KEY_RULE: dict[str, Any] = {
     "if": {"required": ["namespace"], "properties": {"namespace": {"type": "string"}}},
     "then": {
@@ -111,9 +104,7 @@ FIELD_RULES: dict[str, str] = {
 
 
 class _Body(BaseModel):
-    """A request body. Every field that carries a secret (namespace, owner token) or the
-    caller's data (key, fingerprint, result) has ``repr=False``: a body's repr, in a
-    log line or a traceback, shows none of them."""
+    """A request body; fields holding secrets or the caller's data have ``repr=False``."""
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, hide_input_in_errors=True)
 
@@ -148,13 +139,11 @@ class _KeyBody(_Body):
             validation.check_namespaced_key(self.key)
         else:
             validation.check_bare_key(self.key)
-        # Read from the instance's fields: getattr() on a body without the field would
-        # go through pydantic's __getattr__ and raise and catch an AttributeError.
+        # Not getattr(): pydantic's __getattr__ would raise and catch an AttributeError.
         owner_token = self.__dict__.get("owner_token")
         if owner_token is not None and not secrets.valid_owner_token(owner_token):
             raise InvalidRequest(f"Invalid owner_token: {FIELD_RULES['owner_token']}")
-        # Kept where cached_property keeps its value, without its first read, which
-        # takes a lock in Python 3.11.
+        # Where cached_property keeps it (its first read takes a lock in Python 3.11).
         self.__dict__["_namespace_secret"] = namespace_secret
         return self
 
@@ -247,9 +236,8 @@ def _describe(exc: ValidationError, model: type[_Body]) -> str:
 
 
 def _unknown_fields(count: int, model: type[_Body]) -> str:
-    """One problem for all the unknown fields whose names are not the API's own: their
-    names are the caller's input and may be secrets (a key or a token sent as a field
-    name), so they are not repeated; the fields the request takes are listed instead."""
+    """One problem for the unknown fields whose names are not the API's own (they may
+    be secrets, so they are not repeated): the fields the request takes are listed."""
     takes = ", ".join(model.model_fields) or "no fields"
     which = "Unknown field" if count == 1 else f"{count} unknown fields"
     return f"{which} (names are not repeated); this request takes {takes}"
@@ -259,8 +247,7 @@ def _unknown_fields(count: int, model: type[_Body]) -> str:
 
 
 class _FlatSchema(GenerateJsonSchema):
-    """Each field's own type and bounds, without the ``null`` an optional field also
-    takes, its default or a title: the plain form that MCP clients hand to models."""
+    """Each field's type and bounds without ``null``, default or title (for MCP)."""
 
     def nullable_schema(self, schema: core_schema.NullableSchema) -> JsonSchemaValue:
         return self.generate_inner(schema["schema"])
@@ -273,9 +260,8 @@ class _FlatSchema(GenerateJsonSchema):
 
 
 def tool_input_schema(model: type[BaseModel], descriptions: dict[str, str]) -> dict[str, Any]:
-    """The model's fields as one flat JSON Schema object, each field described by
-    ``descriptions`` (which must name every field). Cross-field rules (``_KEY_RULE``)
-    are left out: several MCP clients refuse ``if``, ``not`` and ``anyOf``."""
+    """The model's fields as one flat JSON Schema object described by ``descriptions``;
+    no cross-field rules (several MCP clients refuse ``if``, ``not`` and ``anyOf``)."""
     schema = model.model_json_schema(schema_generator=_FlatSchema)
     return {
         "type": "object",

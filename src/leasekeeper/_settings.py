@@ -1,9 +1,8 @@
 """Settings: read once from an environment mapping at start, then passed down.
 
-Every variable is optional: ``LEASEKEEPER_`` + the field's name in capitals. A value
-that does not parse is an error naming the variable, raised at start rather than at
-the first request. Each field's docstring says what it sets; the documentation's
-table of settings (docs/operations.md) is rendered from them and the defaults here.
+Every variable is optional: ``LEASEKEEPER_`` + the field's name in capitals; a bad
+value is an error naming it, at start. The docs' settings table is rendered from the
+fields' docstrings and defaults.
 """
 
 from __future__ import annotations
@@ -132,29 +131,15 @@ class Settings:
             return _PREFIX + field.upper()
 
         positive = (
-            "lifecycle_seconds",
-            "cleanup_interval_seconds",
-            "cleanup_batch",
-            "store_timeout_seconds",
-            "postgres_pool_size",
-            "max_body_bytes",
-            "max_connections",
-            "request_timeout_seconds",
-            "keep_alive_seconds",
-            "namespace_burst",
-            "address_burst",
-            "namespace_request_burst",
+            "lifecycle_seconds cleanup_interval_seconds cleanup_batch store_timeout_seconds "
+            "postgres_pool_size max_body_bytes max_connections request_timeout_seconds "
+            "keep_alive_seconds namespace_burst address_burst namespace_request_burst"
         )
-        for field in positive:
+        for field in positive.split():
             if getattr(self, field) <= 0:
                 raise SettingsError(f"{name(field)} must be greater than 0")
-        rates = (
-            "live_leases_interval_seconds",
-            "namespace_rate",
-            "address_rate",
-            "namespace_request_rate",
-        )
-        for field in rates:
+        rates = "live_leases_interval_seconds namespace_rate address_rate namespace_request_rate"
+        for field in rates.split():
             if getattr(self, field) < 0:
                 raise SettingsError(f"{name(field)} must be 0 (off) or a positive number")
         if self.lifecycle_seconds > MAX_LIFECYCLE_SECONDS:

@@ -1,40 +1,24 @@
 """How many guesses a key would take someone who knows how people make readable keys.
 
-An estimator of the zxcvbn family (Wheeler, "zxcvbn: Low-Budget Password Strength
-Estimation", USENIX Security 2016), tuned to one decision: does a key without a
-namespace carry at least 100 bits. Matchers find the parts of a key that a guesser
-tries first: dictionary words and names, dates and years, keyboard walks, repeats,
-sequences, zero-padded counters and separators. Each part is charged as zxcvbn charges
-it (log2 of its guesses), every other character as brute force over the key's
-alphabet, and the estimate is the cheapest way to cover the key with both (zxcvbn's
-minimum-guesses segmentation, here a weighted interval scheduling over the parts'
-savings).
+A zxcvbn-family estimator (Wheeler, USENIX Security 2016) for one decision: does a key
+without a namespace carry at least 100 bits. Matchers find words and names, dates and
+years, keyboard walks, repeats, sequences, zero-padded counters and separators; each
+part costs log2 of zxcvbn's guesses, every other character brute force, and the
+estimate is the cheapest cover (a weighted interval scheduling over the savings).
 
-Two departures from zxcvbn, both for this decision:
+Two departures from zxcvbn:
 
-- Brute force costs log2 of the key's alphanumeric alphabet a character (26 for a
-  lowercase letter in an all-lowercase key, 36 once digits are there too, 62 with both
-  cases), log2(33) a symbol and log2(14) a separator, not zxcvbn's flat 10 guesses. A
-  random key is charged about what it holds (a hex key a little more: 5.2 bits a
-  character against its 4), so every uuid4 and ``secrets.token_hex(16)`` clears 100 bits
-  with room for the words and dates that random text holds by chance. Digits standing
-  alone between separators (``-48213977-``) are charged as the decimal number they are.
-- Readable parts together count for at most ``READABLE_CAP_BITS``: the estimate is the
-  smaller of the cheapest cover and that cap plus the cheapest cover in which every
-  readable part is free. A phrase of a hundred dictionary words is not a random key,
-  however many bits its words would sum to; a readable prefix before a random part
-  (``invoice-`` + a uuid4) costs the random part nothing. Readable are words (written
-  lower, upper or capitalised), separators, sequences, repeats of readable parts,
-  keyboard walks and zero-padded counters. Dates, years and numbers are not: random
-  digits make a date too often (most four-digit groups of a uuid4 are one), so they are
-  charged what zxcvbn charges them in both covers.
+- Brute force is log2 of the key's alphanumeric alphabet a character (26, 36, 52 or 62),
+  log2(33) a symbol, log2(14) a separator, so every uuid4 and ``token_hex(16)`` clears
+  100 bits with room to spare; digits alone between separators cost their decimal value.
+- Readable parts (words, separators, sequences, repeats of readable parts, keyboard
+  walks, counters) count for at most ``READABLE_CAP_BITS`` together: a phrase of many
+  words is not a random key, and ``invoice-`` before a uuid4 costs nothing. Dates and
+  numbers are not readable (random digits often make one).
 
-Pure and deterministic: the word list is read once, at import. The estimate sits on the
-path of every request with a key outside a namespace, so the matchers run on whole-key
-operations (translations, big-integer differences, one regular expression each) and
-look at single positions only where those found something; and ``estimate_below``,
-which the key rule uses, first tries a bound that settles most random keys without
-weighing any part.
+Pure and deterministic (the word list is read at import). It runs on every request
+with a key outside a namespace, so matchers work on whole-key operations, and
+``estimate_below`` first tries a bound that settles most random keys.
 """
 
 from __future__ import annotations
@@ -121,12 +105,8 @@ def _case_bits(token: str) -> tuple[float, bool]:
 
 
 # --- differences between neighbours ---------------------------------------------------
-#
-# Sequences, runs of one character and keyboard walks are found in the differences
-# between neighbouring characters' codes, all taken at once: the codes as the bytes of
-# one integer, that integer shifted by one byte, 128 added to every byte so that no byte
-# borrows from the next (codes are ASCII, below 128). Byte i of the result is
-# 128 + code[i + 1] - code[i].
+# Sequences, runs and keyboard walks are found in the neighbours' code differences, all
+# at once on one integer: byte i is 128 + code[i + 1] - code[i] (no borrow: ASCII).
 
 _OFFSETS: dict[int, tuple[int, int]] = {}
 
@@ -328,9 +308,8 @@ def guessing_bits(key: str) -> float:
 
 
 def estimate_below(key: str, bits: float) -> float | None:
-    """``guessing_bits(key)`` if that is below ``bits``, else None: the same answer as
-    comparing the two, at a fraction of the cost for most random keys (see
-    ``_surely_at_least``)."""
+    """``guessing_bits(key)`` if that is below ``bits``, else None; cheap for most random
+    keys (``_surely_at_least``)."""
     if _surely_at_least(key, bits):
         return None
     estimate = guessing_bits(key)
@@ -338,16 +317,10 @@ def estimate_below(key: str, bits: float) -> float | None:
 
 
 def _surely_at_least(key: str, bits: float) -> bool:
-    """True only if every cover of ``key`` costs ``bits`` or more: the brute force of the
-    whole key less the most that every part a matcher could find would save (the whole
-    brute force of the characters a word, sequence, run, keyboard walk, repeat or counter
-    could cover; that of digits standing alone less the least any reading of them costs,
-    ``_DIGITS_LEAST``) is enough. False where that bound is not enough or a rarer part (a
-    key that repeats itself, a date with separators) is there: then the estimate decides.
-
-    Written for speed on random keys (it runs on every acquire without a namespace):
-    searches are made in ``str``, where CPython finds short strings faster than in
-    ``bytes``, and the rarer matchers run only where a cheap test finds their mark."""
+    """True only if every cover of ``key`` costs ``bits`` or more: the key's brute force
+    less the most any part a matcher could find would save is enough. False where it is
+    not, or a rarer part (a self-repeat, a date with separators) is there: then the
+    estimate decides. Searches run in ``str`` (faster than ``bytes`` in CPython)."""
     n = len(key)
     if n < 8 or not key.isascii():
         return False

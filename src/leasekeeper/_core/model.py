@@ -1,13 +1,8 @@
 """The data of a lease: stored records, commands, outcomes and decisions.
 
-Everything here is immutable and free of I/O. Times are integer Unix
-milliseconds; digests are raw ``bytes`` (see ``_core.secrets``).
-
-The types are frozen ``msgspec.Struct`` classes rather than frozen dataclasses,
-which are much slower to build (a speed trick: docs/performance.md). Like
-dataclasses they compare equal only to their own type, field by field. Their fields
-hold bytes, numbers, text, enums and other such structs: no reference cycle can
-form, so they are left out of the cyclic garbage collector (``gc=False``).
+Immutable and free of I/O; times are integer Unix milliseconds, digests raw ``bytes``.
+Frozen ``msgspec.Struct`` classes (a speed trick: docs/performance.md) compare like
+dataclasses; they can hold no reference cycle, hence ``gc=False``.
 """
 
 from __future__ import annotations
@@ -154,15 +149,10 @@ class Released(msgspec.Struct, frozen=True, gc=False):
 class LostReason(enum.Enum):
     """Why a renew, release or complete was refused; chosen by the key's state."""
 
-    #: No record, or the lifecycle is over.
     NO_LEASE = "There is no lease on this key (never acquired, or its lifecycle is over)"
-    #: The lease ran out, whether or not somebody took it since.
     EXPIRED = "The lease expired; acquire the key again before continuing"
-    #: The owner released it; anyone may acquire it now.
     RELEASED = "The lease was released; acquire the key again before continuing"
-    #: A result is stored; the work is done.
     COMPLETED = "The work on this key was completed; acquire it to read the result"
-    #: A live lease exists but the token is not its owner's.
     NOT_OWNER = "The owner token does not match the current owner of this lease"
 
 

@@ -1,9 +1,6 @@
 """The lease rules: pure functions ``(record | None, command, now_ms) -> Decision``.
 
-No I/O, no clock reads, no randomness: the store passes the record it holds for
-the key and its own notion of ``now``; the owner token digest arrives in the
-command. A store applies the returned ``Decision`` atomically (see
-``leasekeeper.store``).
+No I/O, no clock reads, no randomness; a store applies the ``Decision`` atomically.
 
 A key's life, for one lifecycle::
 
@@ -14,9 +11,8 @@ A key's life, for one lifecycle::
 
     now >= absolute_expires_ms ──► ABSENT (a new lifecycle on the next acquire)
 
-Time guard: a decision runs at ``max(now_ms, record.updated_ms)``, and a
-decision that observes an expiry persists the time it saw. So a wall clock
-that steps back can never revive an expired lease or a finished lifecycle.
+Time guard: a decision runs at ``max(now_ms, record.updated_ms)`` and persists the
+time it saw, so a clock stepping back never revives an expiry.
 """
 
 from __future__ import annotations

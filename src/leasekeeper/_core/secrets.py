@@ -1,14 +1,10 @@
 """Secret formats and the digests that are stored instead of them.
 
-Nothing raw is ever stored. For a key in a namespace the id is an HMAC keyed by
-a key derived from the namespace's 32 secret bytes, so a readable key such as
-``invoice:2026-09-05`` cannot be reversed from the database, and the same key in
-two namespaces has unrelated ids. A key without a namespace is high-entropy by
-rule and is hashed with SHA-256 under its own domain tag. Fingerprint digests are
-keyed by the namespace secret (or by the raw key without a namespace) and bound to
-the key id. Owner tokens are stored as SHA-256 and compared in constant time.
-
-Random bytes are passed in by the caller; this module reads no randomness.
+Nothing raw is stored. A namespaced key's id is an HMAC under a key derived from the
+namespace secret (not reversible; unrelated across namespaces); a bare key (random by
+rule) is SHA-256 under its own tag. Fingerprint digests are keyed by the namespace
+secret (or the bare key) and bound to the key id; owner tokens are SHA-256, compared in
+constant time. Random bytes come from the caller.
 """
 
 from __future__ import annotations
@@ -84,11 +80,8 @@ def format_owner_token(random32: bytes) -> str:
 
 def parse_namespace(namespace: str) -> bytes | None:
     """The namespace's 32 secret bytes, or None when it is not a well-formed namespace.
-
-    Every request names its namespace and workers use few: the answers for the
-    1,024 most recent are kept, as ``_namespace_macs`` keeps their HMAC states (a
-    speed trick: docs/performance.md). Only text of a namespace's length is kept: a
-    client's 60 KB "namespace" is refused unkept."""
+    Answers for the 1,024 most recent are kept (a speed trick: docs/performance.md),
+    only for text of a namespace's length."""
     if len(namespace) != NAMESPACE_LENGTH:
         return None
     return _parse_namespace(namespace)
@@ -115,13 +108,9 @@ def _hmac(key: bytes, message: bytes) -> bytes:
 
 @functools.lru_cache(maxsize=1024)
 def _namespace_macs(namespace_secret: bytes) -> tuple[hmac.HMAC, hmac.HMAC]:
-    """HMAC states keyed by the namespace's two derived keys (key ids, fingerprints).
-
-    Deriving the two keys and setting up their states costs many times what a digest
-    from a copied state does, and workers use few namespaces: each one's states are
-    kept (for the 1,024 most recent) and copied per use (a speed trick:
-    docs/performance.md).
-    """
+    """HMAC states keyed by the namespace's two derived keys (key ids, fingerprints),
+    kept for the 1,024 most recent namespaces and copied per use (a speed trick:
+    docs/performance.md)."""
     key_mac = hmac.new(_hmac(namespace_secret, _NS_KEY_LABEL), digestmod="sha256")
     fingerprint_mac = hmac.new(_hmac(namespace_secret, _NS_FP_LABEL), digestmod="sha256")
     return key_mac, fingerprint_mac

@@ -71,24 +71,22 @@ SECRET_WORDS = (
     "authorization",
     "cookie",
 )
-#: Removed from a field name before the secret words are looked for: the spec's "-", "_",
-#: "." and spaces, every kind of space Unicode has counting as one (a tab, a no-break
-#: space: ``str.isspace``; none is past U+3000).
+#: Removed from a field name before the secret words are looked for: "-", "_", "." and
+#: every Unicode space (``str.isspace``; none is past U+3000).
 _NAME_NOISE = str.maketrans(
     "", "", "-_." + "".join(c for c in map(chr, range(0x3001)) if c.isspace())
 )
 
 
 def json_failure(exc: json.JSONDecodeError) -> str:
-    """What the decoder found wrong and where, never the input itself: "Expecting value at
-    position 7" (some of its messages end in "at" already: "Invalid control character at")."""
+    """What the decoder found wrong and where, never the input: "Expecting value at
+    position 7"."""
     return f"{exc.msg.removesuffix(' at')} at position {exc.pos}"
 
 
 def check_tree(root: dict[str, Any]) -> None:
-    """Reject nesting deeper than MAX_DEPTH, strings with lone surrogates, and floats
-    that are NaN or infinite: what the strict parser refuses and a JSON-RPC parser
-    (the MCP SDK's) lets through (it reads ``NaN``, ``Infinity`` and ``1e999``)."""
+    """Reject what the strict parser refuses and the MCP SDK's lets through: nesting
+    deeper than MAX_DEPTH, lone surrogates, NaN and infinite floats."""
     stack: list[tuple[Any, int]] = [(root, 1)]
     while stack:
         node, depth = stack.pop()
@@ -122,11 +120,8 @@ def _check_surrogates(text: str) -> None:
 
 
 def check_namespaced_key(key: str) -> None:
-    """A key inside a namespace: 1 to ``MAX_KEY_CHARS`` characters, no control characters.
-
-    Nor lone surrogates: the HTTP and MCP adapters refuse them before (``check_tree``),
-    a program calling ``LeaseService`` itself might not, and no digest can be taken of
-    text that has no UTF-8 encoding."""
+    """A key inside a namespace: 1 to ``MAX_KEY_CHARS`` characters, no control characters
+    nor lone surrogates (a direct ``LeaseService`` caller may pass them)."""
     if not 1 <= len(key) <= MAX_KEY_CHARS:
         raise InvalidRequest(f"Invalid key: must be 1 to {MAX_KEY_CHARS} characters")
     if _CONTROL_OR_SURROGATE.search(key):
@@ -164,12 +159,8 @@ _NOT_A_JSON_VALUE = (
 
 
 def encode_result(result: Any) -> str:
-    """The result as stored: size-checked, redacted, compact JSON text.
-
-    The 32,768-byte limit applies to the compact UTF-8 encoding of the result
-    as submitted, before redaction. A value that no JSON body can hold (NaN, a lone
-    surrogate, a set, a non-string field name, a cycle), which only a program calling
-    ``LeaseService`` directly can pass, is ``InvalidRequest``; a tuple is an array.
+    """The result as stored: size-checked (compact UTF-8, before redaction), redacted,
+    compact JSON text. A value no JSON can hold is ``InvalidRequest``; a tuple is an array.
     """
     try:
         submitted = _compact(result).encode("utf-8")
@@ -180,8 +171,6 @@ def encode_result(result: Any) -> str:
             )
         return _compact(redact(result))
     except (TypeError, ValueError, RecursionError):
-        # json.dumps: a type JSON lacks, NaN, a cycle, an integer past Python's digit
-        # limit; encode: a lone surrogate; either: nesting past the recursion limit.
         raise InvalidRequest(_NOT_A_JSON_VALUE) from None
 
 

@@ -1,20 +1,13 @@
 """``FenceGuard``: the protected system's half of fencing, kept in the caller's own database.
 
-A lease alone cannot stop a paused worker that wakes after its ownership ended
-(the spec's "Use the fencing token"). The system it writes to must remember the
-highest fencing token per resource and refuse older ones. ``FenceGuard`` does that
-with one statement (``check_sql``: an upsert that only raises the fence, returning it),
-run in the *same transaction* as the write it guards. A row back means the token is
-the newest seen (or the same: one owner writing again) and is now recorded; no row
-means a newer owner has written: ``StaleFence``, and the transaction must roll back.
+A lease alone cannot stop a paused worker that wakes after its ownership ended: the
+system it writes to must refuse older fencing tokens. ``FenceGuard`` does it with one
+upsert that only raises the fence (``check_sql``), run in the *same transaction* as the
+guarded write: no row back means a newer owner has written (``StaleFence``; roll back).
 
-Why this is atomic: in PostgreSQL the upsert locks the resource's row until the
-transaction ends, so two writers of one resource take turns, and the second one's
-``WHERE`` is checked against the first one's committed fence (READ COMMITTED; at
-REPEATABLE READ or SERIALIZABLE the second gets a serialization error instead).
-In SQLite the statement takes the database's write lock, held until commit.
-Either way, once a write with fence 185 has committed, no write with fence 184
-can commit after it::
+It is atomic because the upsert locks the resource's row (PostgreSQL) or the database
+(SQLite) until commit, so once a write with fence 185 has committed, no write with
+fence 184 can commit after it::
 
     worker A (fence 184)         worker B (fence 185)
     pauses ...                   BEGIN; upsert 185 -> row; write; COMMIT
@@ -82,10 +75,8 @@ class FenceGuard:
     def check(self, resource: str, fencing_token: int) -> None:
         """Record ``fencing_token`` for ``resource``, or raise ``StaleFence`` if a newer one exists.
 
-        Call it inside the transaction of the write it guards, before the write;
-        ``RuntimeError`` outside one (sqlite3 autocommitting, psycopg in autocommit outside
-        ``conn.transaction()``): the fence would be recorded apart from the write. An
-        autocommitting connection is refused before the statement, any other checked after.
+        Call it inside the guarded write's transaction, before the write; outside one
+        (an autocommitting connection) it raises ``RuntimeError``.
         """
         if not isinstance(resource, str) or not resource:
             raise ValueError("resource must be a non-empty string")

@@ -56,16 +56,27 @@ class Unproven(LeaseLost):
     service did not say it is gone: reported as a ``LeaseLost`` the block still releases."""
 
 
-def _failure(error: LeaseError) -> tuple[LeaseLost, bool] | None:
-    """What a renewal refused with ``error`` means (the module's table): None to try again
-    soon, else the error the lease is lost with and whether it may still be held."""
+def _failure(
+    plan: RenewalPlan, error: LeaseError, monotonic: Callable[[], float]
+) -> tuple[LeaseLost, bool] | None:
+    """What a renewal refused with ``error`` means (the module's table): the error the
+    lease is lost with and whether it may still be held; or None, a retry scheduled."""
     if isinstance(error, Unproven):
         return LeaseLost(error.error), True
     if isinstance(error, LeaseLost):
         return error, False
-    if isinstance(error, _RETRIED):
-        return None
-    return _refused(error), True
+    if not isinstance(error, _RETRIED):
+        return _refused(error), True
+    now = monotonic()
+    plan.failed(now, error.retry_after or 1)
+    log.warning(
+        "lease renewal failed (%s: %s); retrying in %.1f s, the lease expires in %.1f s",
+        error.status,
+        error.error,
+        max(plan.next_at - now, 0.0),
+        max(plan.expires_at - now, 0.0),
+    )
+    return None
 
 
 class Waiter(Protocol):
@@ -178,16 +189,6 @@ def _log_late(plan: RenewalPlan, now: float) -> None:
         )
 
 
-def _log_retry(plan: RenewalPlan, error: LeaseError, now: float) -> None:
-    log.warning(
-        "lease renewal failed (%s: %s); retrying in %.1f s, the lease expires in %.1f s",
-        error.status,
-        error.error,
-        max(plan.next_at - now, 0.0),
-        max(plan.expires_at - now, 0.0),
-    )
-
-
 def _log_final(plan: RenewalPlan, now: float) -> None:
     if plan.final:
         log.warning(
@@ -291,14 +292,10 @@ class RenewalWorker:
         except LeaseError as error:
             if self.stopped:
                 return False
-            failure = _failure(error)
+            failure = _failure(plan, error, self._monotonic)
             if failure is not None:
                 lease._lost(failure[0], maybe_held=failure[1])
-                return False
-            later = self._monotonic()
-            plan.failed(later, error.retry_after or 1)
-            _log_retry(plan, error, later)
-            return True
+            return failure is None
         if granted is None or self.stopped:
             return False
         plan.renewed(granted, now)
@@ -309,9 +306,7 @@ class RenewalWorker:
     @contextlib.contextmanager
     def _watch_expiry(self, lease: _SyncLease) -> Iterator[None]:
         """Around a renewal's request: report the lease lost if no answer has come by the
-        local expiry. httpx's timeout bounds each read, not a whole request: an answer sent
-        a byte at a time, or a hanging name lookup, would hold the report past the expiry.
-        """
+        local expiry (httpx's timeout bounds each read, not the whole request)."""
         answered = self._event_factory()
         seconds = max(self.plan.expires_at - self._monotonic(), 0.0)
 
@@ -368,9 +363,8 @@ class AsyncRenewalWorker:
         await asyncio.wait([task])
 
     async def _stop_on_exit(self, *, lost: bool, release: bool) -> bool:
-        """``stop`` as the lease's block is left: a lost lease's task is not cancelled (it
-        may be running ``on_lost``, which runs to its end; a renewal in flight ends by its
-        own deadline and acts on nothing). True: the lease may be released now."""
+        """``stop`` as the lease's block is left; a lost lease's task is not cancelled (it
+        may be running ``on_lost``). True: the lease may be released now."""
         await self.stop(cancel=not lost)
         return True
 
@@ -403,8 +397,7 @@ class AsyncRenewalWorker:
         timeout = min(self._request_timeout, max(plan.expires_at - now, MIN_RETRY_SECONDS))
 
         def deadline() -> asyncio.Timeout:
-            # On the whole request, from when it is sent: httpx's timeout bounds each
-            # read, and a server answering a byte at a time would hold it past the expiry.
+            # On the whole request (httpx's timeout bounds each read only).
             left = max(plan.expires_at - self._monotonic(), MIN_RETRY_SECONDS)
             return asyncio.timeout(min(self._request_timeout, left))
 
@@ -428,14 +421,10 @@ class AsyncRenewalWorker:
         except LeaseError as error:
             if self.stopped:
                 return False
-            failure = _failure(error)
+            failure = _failure(plan, error, self._monotonic)
             if failure is not None:
                 await lease._lost(failure[0], maybe_held=failure[1])
-                return False
-            later = self._monotonic()
-            plan.failed(later, error.retry_after or 1)
-            _log_retry(plan, error, later)
-            return True
+            return failure is None
         if granted is None or self.stopped:
             return False
         plan.renewed(granted, now)

@@ -59,11 +59,15 @@ class Released:
     body: dict[str, Any] = field(repr=False, compare=False, hash=False)
 
 
+def _invalid(name: str) -> InternalError:
+    return InternalError(f"The service's response lacks a valid {name!r}")
+
+
 def _from_timestamp(name: str, seconds: int) -> datetime:
     try:
         return datetime.fromtimestamp(seconds, UTC)
     except (OverflowError, OSError, ValueError):  # no datetime has that second
-        raise InternalError(f"The service's response lacks a valid {name!r}") from None
+        raise _invalid(name) from None
 
 
 def _iso_field(body: dict[str, Any], name: str) -> datetime:
@@ -75,13 +79,20 @@ def _iso_field(body: dict[str, Any], name: str) -> datetime:
             raise ValueError(name)
         return parsed.astimezone(UTC)
     except (OverflowError, ValueError):
-        raise InternalError(f"The service's response lacks a valid {name!r}") from None
+        raise _invalid(name) from None
+
+
+def _field(body: dict[str, Any], name: str, kind: type) -> Any:
+    value = body.get(name)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise _invalid(name)
+    return value
 
 
 def _ttl(body: dict[str, Any]) -> int:
     seconds: int = _field(body, "ttl_seconds", int)
     if seconds < 0:
-        raise InternalError("The service's response lacks a valid 'ttl_seconds'")
+        raise _invalid("ttl_seconds")
     return seconds
 
 
@@ -89,15 +100,8 @@ def _fence(body: dict[str, Any]) -> int:
     """The fencing token: an integer from 1 to 2**63 - 1, as the service hands out."""
     token: int = _field(body, "fencing_token", int)
     if not 0 < token < 2**63:
-        raise InternalError("The service's response lacks a valid 'fencing_token'")
+        raise _invalid("fencing_token")
     return token
-
-
-def _field(body: dict[str, Any], name: str, kind: type) -> Any:
-    value = body.get(name)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise InternalError(f"The service's response lacks a valid {name!r}")
-    return value
 
 
 def parse_lease(body: dict[str, Any], owner_token: str | None = None) -> Lease:

@@ -24,8 +24,7 @@ __all__ = [
 FIRST_POLL_SECONDS = 0.25
 #: The longest single wait, so an early release or completion is seen soon enough.
 MAX_POLL_SECONDS = 30.0
-#: The longest ``Retry-After`` a 429 or 503 is obeyed for: a proxy's header can say a
-#: year, and a worker waiting for ever would then sleep that long.
+#: The longest ``Retry-After`` a 429 or 503 is obeyed for (a proxy's may say a year).
 MAX_HOLD_OFF_SECONDS = 300.0
 #: The shortest pause between two renewal attempts after a failure.
 MIN_RETRY_SECONDS = 0.1
@@ -48,12 +47,9 @@ def acquire_delay(
 ) -> float | None:
     """How long to wait before acquire attempt ``attempt + 1``; None when the wait is over.
 
-    The wait doubles from ``FIRST_POLL_SECONDS`` up to ``MAX_POLL_SECONDS``, gets up to
-    ``JITTER`` more at random (``rand`` in [0, 1)) so that waiters spread out, and ends
-    on the deadline (``remaining``) at the latest. For a ``held`` key it is, before
-    jitter, no longer than ``retry_after`` (the lease's expiry), so an early release is
-    seen soon; otherwise (429, 503) it is at least ``retry_after``, as HTTP's
-    ``Retry-After`` means, up to ``MAX_HOLD_OFF_SECONDS``::
+    The wait doubles, plus up to ``JITTER`` at random (``rand`` in [0, 1)), and ends by
+    ``remaining``. For a ``held`` key it is at most ``retry_after`` (the lease's expiry);
+    otherwise (429, 503) at least ``retry_after``, up to ``MAX_HOLD_OFF_SECONDS``::
 
         attempt   0     1     2     3 ...
         wait    0.25  0.5   1.0   2.0 ...  held: capped by retry_after, 30 s, remaining
@@ -74,16 +70,15 @@ def acquire_delay(
 class RenewalPlan:
     """When to renew one lease, in the worker's monotonic seconds.
 
-    The local expiry counts the granted TTL from the moment the request was
-    *sent*, so it is never later than the service's own::
+    The local expiry counts the granted TTL from when the request was *sent*, so it is
+    never later than the service's own::
 
         request sent        renewal due               local expiry
         |---- ttl / 3 -------|-------------------------|
         sent_at          sent_at + ttl/3        sent_at + granted ttl
 
-    When the service grants less than asked, the lease has reached the end of the
-    key's lifecycle: no renewal can move it (``final``), and the plan's next step
-    is the expiry itself, where the worker reports the lease lost.
+    Granted less than asked, the lease is at its lifecycle's end (``final``): the next
+    step is the expiry, where the worker reports the lease lost.
     """
 
     requested_ttl: int

@@ -55,14 +55,10 @@ def create_app(
     lifespan_hooks: list[Callable[[], contextlib.AbstractAsyncContextManager[None]]] | None = None,
     limits: Limits | None = None,
 ) -> LeaseApp:
-    """The ASGI application over ``service``.
-
-    Its lifespan opens the store and, when ``run_cleanup`` is true, runs the
-    cleanup every ``settings.cleanup_interval_seconds``. ``monotonic`` drives the
-    rate limits, and ``sleep`` the pauses of the cleanup and of the live-lease count
-    (tests pass fakes). ``extra_routes`` and ``lifespan_hooks`` let
-    other adapters (MCP) mount beside the API; ``limits`` are the rate limits to
-    share with them (by default new ones from ``settings`` on ``monotonic``).
+    """The ASGI application over ``service``; its lifespan opens the store and runs the
+    cleanup (``run_cleanup``). ``monotonic`` drives the rate limits, ``sleep`` the
+    periodic tasks. ``extra_routes``, ``lifespan_hooks`` and ``limits`` (shared) let
+    other adapters (MCP) mount beside the API.
     """
     settings = settings or Settings()
     metrics = Metrics()
@@ -202,8 +198,7 @@ _ROUTES = {
     f"{BASE_PATH}/lease/complete": "complete",
 }
 
-#: Route names for metrics and logs: a fixed set (with the names of the routes other
-#: adapters mount, such as "mcp"), so an unknown path (which a client could fill with
+#: Route names for metrics and logs: a fixed set, so an unknown path (which could hold
 #: a secret) is only ever "other".
 _ROUTE_NAMES = {
     **_ROUTES,
@@ -217,10 +212,8 @@ _ROUTE_NAMES = {
 
 
 async def _unless_stopped(opening: Awaitable[None]) -> bool:
-    """Await ``opening`` (the store's, which may wait out the store timeout), unless
-    SIGINT or SIGTERM comes first (False): the server acts on them only once started,
-    so a stop asked for meanwhile would wait for the store. Either signal also goes on
-    to the handler it had (uvicorn's, which then stops the server)."""
+    """Await ``opening`` unless SIGINT or SIGTERM comes first (False; uvicorn acts on
+    them only once started). Either signal goes on to the handler it had."""
     task = asyncio.ensure_future(opening)
     if threading.current_thread() is not threading.main_thread():
         await task  # signal handlers are the main thread's alone

@@ -49,13 +49,8 @@ async def send_json(
 
 class LeaseEndpoint:
     """One lease route (``operation``) as a plain ASGI app; returns the status it sent.
-
-    It takes from the per-address limit (when on), reads the body within
-    ``max_body`` bytes and ``body_timeout`` seconds, parses it strictly, applies the
-    other rate limits (``Limits.enforce``, which MCP tool calls follow too), calls
-    ``service.handle`` and answers with the reply or with the error's body from the
-    one error table (``error_parts``). Anything unforeseen is logged and answered
-    500 ``internal`` without details. A client that went away gets no answer.
+    Anything unforeseen is logged and answered 500 ``internal`` without details; a
+    client that went away gets no answer.
     """
 
     def __init__(
@@ -77,9 +72,8 @@ class LeaseEndpoint:
     async def __call__(
         self, scope: Scope, receive: Receive, send: Send, request_id: bytes | None = None
     ) -> int:
-        """Answer one request. With ``request_id`` (as ``LeaseApp`` calls it) the answer
-        carries every header of a response, security headers and X-Request-Id included;
-        without, as a plain ASGI app, the layer around it must add those."""
+        """Answer one request; without ``request_id`` (as a plain ASGI app) the layer
+        around it must add the security headers and X-Request-Id."""
         extra = None
         state = {"body_read": False}
         try:
@@ -105,9 +99,7 @@ class LeaseEndpoint:
         limits.enforce_address(scope)
         raw = await read_body(scope, receive, self.max_body, self.body_timeout, self._slow_body)
         state["body_read"] = True
-        # Only JSON's own whitespace makes an empty body: bytes.strip() would also
-        # drop \x0b and \x0c, which are not JSON and must be refused. A byte-order
-        # mark before it is ignored, as before any body (parse_json_object).
+        # Only JSON's own whitespace makes an empty body (not bytes.strip()'s \x0b, \x0c).
         if self.operation == "namespace" and not raw.removeprefix(UTF8_BOM).strip(_JSON_WHITESPACE):
             data: dict[str, Any] = {}
         else:

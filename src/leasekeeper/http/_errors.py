@@ -53,10 +53,8 @@ STATUS_CODES: dict[type[LeaseError], int] = {
     ServiceUnavailable: 503,
 }
 
-#: The scope entry where ``unexpected_handler`` leaves the exception it answered.
-#: Starlette raises that exception again after the answer, for the server to log;
-#: ``LeaseApp`` does not pass it on, as uvicorn would log it a second time (another
-#: traceback) and close the connection.
+#: The scope entry where ``unexpected_handler`` leaves the exception it answered, which
+#: ``LeaseApp`` then does not pass on to uvicorn (which would log it twice and close).
 ANSWERED = "leasekeeper.answered"
 
 _FROM_HTTP: dict[int, type[LeaseError]] = {

@@ -27,14 +27,11 @@ _OWN_HEADERS = (b"cache-control", b"x-content-type-options", b"x-request-id")
 class LeaseApp:
     """The application: the lease routes and Starlette inside one outermost ASGI layer.
 
-    The layer draws each request's id (``X-Request-Id``, and ``request_id`` in its
-    log lines), serves a path with a trailing slash as the path without, adds the
-    security headers, caps requests in flight, counts request metrics, sends
-    ``POST`` to a lease route straight to its ``LeaseEndpoint`` (which sends its
-    headers itself) and everything else to Starlette, and at DEBUG logs one line per
-    request (method, route name, status, time; never a path, body or header value).
-    ``route_names`` maps each path served to its name (any other path is "other").
-    A plain ASGI wrapper: ``BaseHTTPMiddleware`` costs a task and a stream a request.
+    It draws each request's id, serves a path with a trailing slash as without, adds
+    the security headers, caps requests in flight, counts metrics, sends a lease
+    ``POST`` straight to its ``LeaseEndpoint`` and the rest to Starlette, and at DEBUG
+    logs one line per request (never a path, body or header value). ``route_names``
+    maps each path served to its name (any other is "other").
     """
 
     def __init__(
@@ -61,9 +58,7 @@ class LeaseApp:
         self._timed = Children(metrics.latency, "observe")
 
     def at_connection_limit(self) -> ASGIApp:
-        """The app uvicorn runs instead of this one past its connection limit: the JSON 503
-        of the in-flight cap, with every response's headers, counted, timed and logged as
-        every answer is."""
+        """The app uvicorn runs past its connection limit: the in-flight cap's JSON 503."""
         return functools.partial(self, refuse=True)
 
     async def __call__(
@@ -79,8 +74,7 @@ class LeaseApp:
         header_id = request_id.encode("ascii")
         path = scope["path"]
         if path[-1:] == "/" and len(path) > 1:
-            # A trailing slash changes nothing (/lease/ is /lease): served as it is,
-            # with no redirect that a client might not follow.
+            # /lease/ is /lease, with no redirect a client might not follow.
             path = path.rstrip("/") or "/"
             scope = {**scope, "path": path}
         route = self.route_names.get(path, "other")
@@ -113,8 +107,7 @@ class LeaseApp:
 
     def _lifespan_send(self, send: Send) -> Send:
         """``send`` for the lifespan: a start refused because the store cannot be opened
-        (logged in one line) is reported to the server without Starlette's traceback,
-        which uvicorn would log as a second ERROR; any other failure keeps it."""
+        (logged already) is reported without Starlette's traceback."""
 
         async def lifespan_send(message: Message) -> None:
             if message["type"] == "lifespan.startup.failed" and getattr(
@@ -128,10 +121,8 @@ class LeaseApp:
     async def _starlette(
         self, scope: Scope, receive: Receive, send: Send, request_id: bytes
     ) -> int:
-        """Starlette answers; its response gets the security headers and X-Request-Id
-        (replacing any it set itself). Returns the status it sent (500 if none). An
-        error its handler answered (``unexpected_handler``) ends here; any other goes
-        on to the server."""
+        """Starlette answers, with our headers; returns the status sent (500 if none).
+        An error ``unexpected_handler`` answered ends here; any other goes on."""
         status_code = 500
 
         async def send_with_headers(message: Message) -> None:
@@ -153,6 +144,5 @@ class LeaseApp:
         except Exception as exc:
             if scope.pop(ANSWERED, None) is not exc:
                 raise
-            # Answered and logged by unexpected_handler: Starlette raises it again for
-            # the server, which would log it twice and close the connection.
+            # Answered and logged already: uvicorn would log it again and close.
         return status_code

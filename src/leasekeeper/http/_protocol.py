@@ -59,21 +59,17 @@ __all__ = [
 ]
 
 _REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
-#: Bytes of a request's head past which, while it has not ended, the request is refused:
-#: llhttp keeps no bound of its own, and uvicorn keeps every header line it reads.
+#: Bytes of an unfinished request head past which it is refused (llhttp sets no bound).
 MAX_HEAD_BYTES = 65_536
-#: Requests that may wait on one connection while an earlier one is answered (HTTP/1.1
-#: pipelining). A request past them, and every later one, is not run; those waiting are
-#: answered, then the connection is closed: every answered request ran, no other did.
+#: Pipelined requests that may wait on one connection; one past them, and every later
+#: one, is not run; those waiting are answered, then the connection is closed.
 MAX_PIPELINED = 32
 
 
 @dataclass(frozen=True, slots=True)
 class _Relied:
-    """In one module of uvicorn.protocols.http: the protocol class ``guard_protocol``
-    subclasses; its methods that the guard overrides (uvicorn must call them) or calls;
-    the attributes it reads or sets on a protocol with a request begun, and on that
-    request's cycle (each a string of names)."""
+    """In one uvicorn.protocols.http module: the protocol class, the methods the guard
+    overrides or calls, and the attributes it uses on a protocol and on its cycle."""
 
     protocol: str
     methods: str
@@ -81,9 +77,8 @@ class _Relied:
     cycle: str
 
 
-#: uvicorn's private API that this module relies on; in each module, the global
-#: ``service_unavailable`` too (the app it runs past its connection limit, which
-#: ``serve_connection_limit_with`` replaces).
+#: uvicorn's private API this module relies on, and each module's global
+#: ``service_unavailable`` (replaced by ``serve_connection_limit_with``).
 UVICORN_INTERNALS: Final = {
     "httptools_impl": _Relied(
         "HttpToolsProtocol",
@@ -103,9 +98,8 @@ UVICORN_INTERNALS: Final = {
 
 
 def missing_uvicorn_internals(protocol: object) -> list[str]:
-    """What ``UVICORN_INTERNALS`` names and the installed uvicorn lacks, each named
-    where uvicorn had it: for a protocol class, its module's global and the class's
-    methods; for a protocol with a request begun, its attributes and its cycle's too."""
+    """What of ``UVICORN_INTERNALS`` the installed uvicorn lacks, for a protocol class
+    (global, methods) or a protocol with a request begun (attributes too)."""
     cls = protocol if isinstance(protocol, type) else type(protocol)
     for name, relied in UVICORN_INTERNALS.items():
         where = f"uvicorn.protocols.http.{name}"
@@ -135,9 +129,8 @@ def uvicorn_protocol() -> type[asyncio.Protocol]:
 
 
 def serve_connection_limit_with(app: ASGIApp) -> None:
-    """Make uvicorn answer past its connection limit (``limit_concurrency``) with ``app``
-    rather than its plain-text 503: uvicorn looks that app up per request, as a global
-    of its protocol's module (``service_unavailable``)."""
+    """Make uvicorn answer past ``limit_concurrency`` with ``app`` rather than its
+    plain-text 503 (it looks up its module global ``service_unavailable`` per request)."""
     for name in UVICORN_INTERNALS:
         module = importlib.import_module(f"uvicorn.protocols.http.{name}")
         if not hasattr(module, "service_unavailable"):
@@ -155,8 +148,7 @@ def _refusal(missing: list[str]) -> str:
 
 
 def raw_error_response(error: LeaseError) -> bytes:
-    """A whole HTTP/1.1 response for ``error``, with its status code from the one
-    table, that closes the connection."""
+    """A whole HTTP/1.1 response for ``error`` that closes the connection."""
     body = orjson.dumps(error.body())
     code = status_code(error)
     return b"".join(
@@ -218,10 +210,9 @@ class _SlowClientGuard(_Uvicorn):
                 self._lk_arm()  # the first bytes of a request: its headers are on the clock
 
     def _lk_head_may_follow(self, waiting: bool) -> bool:
-        """Whether bytes arriving now may be a request's head. Once the request being
-        answered has all its body, what follows is the next request's head: bounded
-        too, though its answer must wait for the one before (on h11, which parses no
-        head before the answer, the rest of a body answered early counts too)."""
+        """Whether bytes arriving now may be a request's head: once the current request
+        has all its body, what follows is the next head, bounded too (on h11 the rest
+        of a body answered early counts as well)."""
         return waiting or not self.cycle.more_body
 
     def on_response_complete(self) -> None:
@@ -251,8 +242,7 @@ class _SlowClientGuard(_Uvicorn):
         super().resume_writing()
 
     def _lk_drop(self) -> None:
-        """The client took none of its answers in time: drop the connection and what
-        it was not sent (``close`` would wait for the client to read it)."""
+        """Abort: ``close`` would wait for the client to read what it was sent."""
         self._lk_write_timer = None
         self.transport.abort()
 
@@ -261,9 +251,8 @@ class _SlowClientGuard(_Uvicorn):
         self.transport.close()
 
     def _lk_head_too_large(self) -> None:
-        """A head past ``MAX_HEAD_BYTES``: the JSON 431, and the connection is closed;
-        while an answer is being sent, nothing more is read until it is, and then the
-        431 follows (``on_response_complete``)."""
+        """The JSON 431 and close; while an answer is being sent, reading pauses and
+        the 431 follows it (``on_response_complete``)."""
         if not self._lk_waiting():
             self.flow.pause_reading()
             return
@@ -293,21 +282,16 @@ class _SlowClientGuard(_Uvicorn):
 
 
 class _IgnoredUpgrade(_Uvicorn):
-    """Mixed in before uvicorn's httptools protocol: serves a request that offers an
-    upgrade the server does not take as if it had not offered it, body included.
-
-    llhttp ends such a request at its headers, and uvicorn runs the app with an empty
-    body and feeds nothing more to the stopped parser: the body is lost and the
-    connection hangs (uvicorn#2722). Here a new parser is given the request's head
-    again, without the offer, and then the bytes after it. A WebSocket upgrade (where
-    a WebSocket library is installed) and a ``CONNECT`` are left to uvicorn.
-    """
+    """Mixed in before uvicorn's httptools protocol: a request offering an upgrade the
+    server does not take is served as if it had not offered it, body included (llhttp
+    stops at its headers and uvicorn loses the body: uvicorn#2722). A new parser gets
+    the head again without the offer, then the bytes after it. WebSocket upgrades and
+    ``CONNECT`` are left to uvicorn."""
 
     _lk_in_body: bool  # _BoundedPipeline's
 
     def data_received(self, data: bytes) -> None:
-        # uvicorn's own, except for an upgrade it does not take (_lk_ignore_upgrade),
-        # in a loop: one read may hold many requests that each offer one.
+        # uvicorn's own, but looping past upgrades it does not take (_lk_ignore_upgrade).
         self._unset_keepalive_if_required()
         unread = memoryview(data)
         while unread:
@@ -315,8 +299,7 @@ class _IgnoredUpgrade(_Uvicorn):
                 self.parser.feed_data(unread)
             except httptools.HttpParserError:
                 if len(getattr(self, "url", b"")) > _MAX_TARGET_BYTES:  # set per request
-                    # uvicorn's parse_url failed in a callback: a head over MAX_HEAD_BYTES,
-                    # refused as such rather than as malformed.
+                    # uvicorn's parse_url failed: refused as too large, not malformed.
                     self.transport.write(_TARGET_TOO_LARGE)
                     self.transport.close()
                     return
@@ -334,9 +317,7 @@ class _IgnoredUpgrade(_Uvicorn):
             return
 
     def _lk_ignore_upgrade(self) -> None:
-        """Give a new parser the head of the request that offered the upgrade, without
-        the offer, so that the bytes after that head are parsed as the rest of the
-        request, and whatever follows it."""
+        """A new parser, given the head without the upgrade offer, for what follows."""
         head = [self.scope["method"].encode("ascii"), b" ", self.url]
         head += [b" HTTP/", self.scope["http_version"].encode("ascii"), b"\r\n"]
         for name, value in self.headers:
@@ -351,8 +332,7 @@ class _IgnoredUpgrade(_Uvicorn):
         self._lk_in_body = True
         self.cycle.message_event.clear()
         self.parser = httptools.HttpRequestParser(_AfterReplayedHead(self))
-        # As uvicorn's own parser: a request after one that asks to close the
-        # connection is not an error (it is answered after the earlier ones, unrun).
+        # As uvicorn's own parser: data after a request that closes is no error.
         with contextlib.suppress(AttributeError):  # httptools < 0.6.3
             self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
         self.parser.feed_data(b"".join(head))  # no offer in it: never raises an upgrade
@@ -360,22 +340,17 @@ class _IgnoredUpgrade(_Uvicorn):
 
 class _BoundedPipeline(_SlowClientGuard):
     """The slow-client guard on uvicorn's httptools protocol, with at most
-    ``MAX_PIPELINED`` requests waiting their turn on a connection.
+    ``MAX_PIPELINED`` requests waiting on a connection (uvicorn's queue is unbounded).
 
-    uvicorn reads on after every answer while requests still wait, so a client that
-    sends requests faster than it reads answers grows the queue without bound. Here
-    reading resumes only once no request waits, and a request past ``MAX_PIPELINED``
-    waiting ones is dropped unrun, as is every one after it; the waiting ones are
-    answered, then the connection is ended without a reset (``_lk_linger``). So is
-    one whose answer closes it while the client's bytes may be unread (it asked to
-    close; the rest of a body refused with a 413; requests waiting), unless the server
-    is stopping. The rest of a body answered early (a 404 to a large POST) is read and
-    dropped, and must arrive within the request timeout. And the request that runs
-    is remembered: when the connection is lost, uvicorn tells only the one parsed last.
+    Reading resumes only once no request waits; a request past the bound, and every
+    later one, is dropped unrun, and after the waiting ones are answered the connection
+    ends without a reset (``_lk_linger``), as does one whose answer closes it while the
+    client's bytes may be unread, unless the server is stopping. The rest of a body
+    answered early is read and dropped within the request timeout. The running request
+    is remembered: on a lost connection uvicorn tells only the one parsed last.
     """
 
-    #: A request was dropped: none after it runs, and the connection ends once the
-    #: requests already waiting are answered.
+    #: A request was dropped: none after it runs; the connection ends after those waiting.
     _lk_overflowed = False
     #: The answers are all sent: what the client sends now is read and dropped.
     _lk_lingering = False
@@ -391,11 +366,9 @@ class _BoundedPipeline(_SlowClientGuard):
     _lk_body_timer: asyncio.TimerHandle | None = None
     #: The server is stopping: a connection its answer ends is closed at once.
     _lk_stopping = False
-    #: A chunk's size line is parsed and none of its data yet: after the last chunk's
-    #: (size 0), the trailer section follows, until that chunk completes.
+    #: A chunk's size line is parsed and none of its data yet (after size 0: trailers).
     _lk_chunk_bare = False
-    #: Bytes of the reads that went wholly to a chunked body's trailer section, bounded
-    #: as a head is (uvicorn keeps trailers among the headers); not the read it begins in.
+    #: Bytes of reads that went wholly to a chunked body's trailers, bounded as a head is.
     _lk_trailer_bytes = 0
     #: The parser handed over body bytes in the read being parsed.
     _lk_body_seen = False
@@ -445,9 +418,8 @@ class _BoundedPipeline(_SlowClientGuard):
     def connection_lost(self, exc: Exception | None) -> None:
         self._lk_body_arrived()
         if self._lk_request_transport is not None:
-            # Its close is bound to this protocol, which holds it: a cycle that would
-            # keep every closed connection (and its last request) for the cyclic
-            # garbage collector, which the server runs rarely.
+            # Break the protocol <-> transport cycle, or closed connections wait for
+            # the (rare) cyclic garbage collection.
             self._lk_request_transport.close = self.transport.close
         running = self._lk_running
         if running is not None and not running.response_complete:
@@ -463,11 +435,9 @@ class _BoundedPipeline(_SlowClientGuard):
             self.pipeline.popleft()  # this one (uvicorn adds on the left): never run
         cycle = self.cycle
         if cycle is not None and cycle.transport is self.transport:  # a request began
-            # uvicorn closes the request's transport when its answer ends the connection.
             cycle.transport = cast("asyncio.Transport", self._lk_request_transport)
             if not cycle.keep_alive:
-                # It asks to close the connection (HTTP/1.0, Connection: close): uvicorn
-                # closes once it is answered, maybe with later requests unread.
+                # It asks to close: uvicorn closes after it, maybe with requests unread.
                 self._lk_closing = True
         self._lk_in_body = True  # until on_message_complete, at once when there is none
 
@@ -476,8 +446,7 @@ class _BoundedPipeline(_SlowClientGuard):
         self._lk_body_arrived()
         super().on_message_complete()
         if answered and self._lk_timer is None and not self.transport.is_closing():
-            # The connection awaits its next request, whose head is on the clock from
-            # now, as on a new connection: uvicorn's keep-alive timer went with the body.
+            # The next request's head is on the clock from now, as on a new connection.
             self._lk_arm()
 
     def _lk_head_may_follow(self, waiting: bool) -> bool:
@@ -504,8 +473,7 @@ class _BoundedPipeline(_SlowClientGuard):
             self._lk_linger()
             return
         if self._lk_body_timer is None and self._lk_body_coming():
-            # Answered before its body had all arrived: the parser reads and drops the
-            # rest, which must come within the request timeout.
+            # Answered before all its body arrived: the rest must come within the timeout.
             self._lk_body_timer = self.loop.call_later(self.request_timeout, self._lk_body_late)
         super().on_response_complete()
         if (self.pipeline or self._lk_overflowed) and not self.transport.is_closing():
@@ -517,20 +485,17 @@ class _BoundedPipeline(_SlowClientGuard):
         return running is not None and bool(running.more_body)
 
     def _lk_close(self) -> None:
-        """A request's transport is closed: without a reset when the client's bytes may
-        be left unread, unless the server is stopping (a linger would hold the stop
-        up); otherwise at once."""
+        """A request's transport is closed: lingering when the client's bytes may be
+        unread (unless the server is stopping), otherwise at once."""
         if not self._lk_stopping and (self._lk_closing or self._lk_in_body or self.pipeline):
             self._lk_linger()
         else:
             self.transport.close()
 
     def _lk_linger(self) -> None:
-        """End the connection after the answers already written, without a reset:
-        closing a socket with unread input makes the kernel reset the connection and
-        throw away the answers not yet delivered. So the server ends its side
-        (``write_eof``), reads and drops what the client still sends, and closes when
-        the client does, or after the request timeout."""
+        """End the connection without a reset (which would lose undelivered answers):
+        ``write_eof``, read and drop what the client sends, close when it does or after
+        the request timeout."""
         if self._lk_lingering or self.transport.is_closing():
             return
         self._lk_lingering = True
@@ -544,10 +509,8 @@ class _BoundedPipeline(_SlowClientGuard):
 
 
 class _RequestTransport:
-    """The transport every request of a connection writes its answer to: its ``close``
-    is ``_BoundedPipeline._lk_close``, so that bytes the client sent after what was
-    read (later requests, the rest of a body) do not make the kernel reset the
-    connection and lose the answer."""
+    """The transport a connection's requests answer on; its ``close`` is
+    ``_BoundedPipeline._lk_close``, which lingers rather than reset."""
 
     __slots__ = ("close", "is_closing", "write")
 
@@ -558,9 +521,8 @@ class _RequestTransport:
 
 
 class _AfterReplayedHead:
-    """The callbacks of the parser that ``_IgnoredUpgrade`` gives a request's head
-    again: that head is dropped (its request has begun already), and everything after
-    it goes to the protocol (httptools looks each callback up by name, once)."""
+    """Callbacks for ``_IgnoredUpgrade``'s new parser: the replayed head is dropped,
+    everything after it goes to the protocol."""
 
     __slots__ = ("_in_head", "_protocol")
 

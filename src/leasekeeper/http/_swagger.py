@@ -1,12 +1,8 @@
-"""``/docs``: the interactive API page (Swagger UI), and the files it loads, all served
-by leasekeeper itself, so the page works with no network and loads nothing from
-another origin.
+"""``/docs``: the interactive API page (Swagger UI) and the files it loads, all served
+by leasekeeper itself (no network, no other origin).
 
-The files are those of Swagger UI's npm package ``swagger-ui-dist``, byte for byte, as
-the ``flask-swagger-ui`` distribution ships them (in its ``dist/``; the package is
-never imported, which would import Flask). Each is read once, on first use, and kept
-in memory; only the names in ``_ASSETS`` are served, so no other file, directory
-listing or path outside them can be asked for.
+The files are ``swagger-ui-dist``'s as the ``flask-swagger-ui`` distribution ships them
+(found, never imported); each is read once, and only the names in ``_ASSETS`` are served.
 """
 
 from __future__ import annotations
@@ -51,24 +47,14 @@ _PAGE = f"""<!doctype html>
 """
 #: What the page may load: its own origin's scripts, style sheets and fetches (the
 #: description, and "Try it out"), and images from there or inline in the style sheet.
-_POLICY = "; ".join(
-    (
-        "default-src 'none'",
-        "script-src 'self'",
-        "style-src 'self'",
-        "img-src 'self' data:",
-        "connect-src 'self'",
-        "base-uri 'none'",
-        "form-action 'none'",
-        "frame-ancestors 'none'",
-    )
+_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
-#: A trailing ``sourceMappingURL`` comment: it names a map the package does not ship
-#: (a browser's developer tools would ask for it and get 404), so it is cut.
+#: A trailing ``sourceMappingURL`` comment, cut: the package ships no map.
 _SOURCE_MAP = re.compile(rb"\s*/[*/]# sourceMappingURL=[^\n]*\s*\Z")
-#: Bytes an asset is sent in. The connection guard drops a client whose send buffer
-#: stays full for the request timeout: sent whole, Swagger UI's script (megabytes) would
-#: have to be taken within it over a slow link; a piece at a time, each piece must be.
+#: Bytes an asset is sent in: the connection guard's send timeout applies to each piece,
+#: not to Swagger UI's megabytes whole.
 _PIECE = 65_536
 
 

@@ -1,9 +1,8 @@
 """The MCP adapter: the five lease tools for AI agents, over streamable HTTP and stdio.
 
-Built on the official ``mcp`` SDK (2.x), a dependency of leasekeeper.
-``create_mcp_server(service)`` builds the server; ``streamable_http_mount``
-gives the routes and lifespan hooks that ``leasekeeper.http.create_app`` mounts
-at ``/mcp``; ``serve_stdio`` serves it over stdin/stdout (``leasekeeper mcp``).
+``create_mcp_server(service)`` builds the server (on the ``mcp`` SDK);
+``streamable_http_mount`` gives what ``create_app`` mounts at ``/mcp``; ``serve_stdio``
+serves stdin/stdout (``leasekeeper mcp``).
 """
 
 from leasekeeper.mcp._http import StreamableHttpMount, streamable_http_mount

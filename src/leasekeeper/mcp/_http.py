@@ -61,12 +61,10 @@ def streamable_http_mount(
 ) -> StreamableHttpMount:
     """Streamable HTTP at ``path``, for ``create_app(extra_routes=..., lifespan_hooks=...)``.
 
-    Stateless, JSON responses (no SSE streams, no session ids: any instance behind a
-    load balancer can answer a call), POST only. Request bodies are read as the API's
-    are. On a loopback address, Host and Origin are checked against loopback names,
-    against DNS rebinding from a browser. Tool calls take from ``limits``: pass the
-    HTTP app's (``create_app(limits=...)``) so that the two share one budget per
-    address and per namespace; by default the mount makes its own from ``settings``.
+    Stateless JSON responses, POST only (a stateless server sends nothing unprompted);
+    bodies read as the API's are. On a loopback address, Host and Origin must be
+    loopback names (DNS rebinding). Pass the HTTP app's ``limits`` so both share one
+    budget; by default the mount makes its own from ``settings``.
     """
     settings = settings or Settings()
     if limits is None:
@@ -89,9 +87,6 @@ def streamable_http_mount(
         security_settings=security,
         max_request_body_size=settings.max_body_bytes,
     )
-    # POST only. A stateless server never sends anything unprompted, so a GET
-    # stream would only hold a connection open; the transport spec lets a server
-    # answer GET (and DELETE, with no session to end) with 405.
     app = _Gate(
         StreamableHTTPASGIApp(manager), settings.max_body_bytes, settings.request_timeout_seconds
     )
@@ -102,19 +97,10 @@ def streamable_http_mount(
 
 
 class _Gate:
-    """What ``/mcp`` puts in front of the SDK's app: the body read as the API reads one,
-    then handed to the SDK whole.
-
-    - A body not all there within ``body_timeout`` seconds, or over ``max_body`` bytes,
-      gets the API's 408 or 413 and the connection is closed, as a JSON-RPC error
-      (-32600) whose data is the API's body (an MCP client reads no other body at an
-      error status). Without the time limit, a few clients promising bodies they do
-      not send would hold every connection slot.
-    - A body the API's rules refuse (``read_message``, as each line over stdio) gets
-      its JSON-RPC error with HTTP 400, as the SDK answers malformed JSON; so none
-      reaches the SDK's validation, whose answers quote the input (namespaces, owner
-      tokens). A byte-order mark is ignored, as before an API body.
-    """
+    """In front of the SDK's app: the body read as the API reads one (a 408 or 413 as a
+    JSON-RPC error, connection closed), checked by ``read_message`` (a refusal is a
+    JSON-RPC error with HTTP 400, so the SDK's validation, which quotes input, never
+    sees it), then handed to the SDK whole."""
 
     def __init__(self, app: ASGIApp, max_body: int, body_timeout: float) -> None:
         self.app = app
@@ -144,9 +130,8 @@ class _Gate:
         await self.app(scope, replayed, _sdk_errors_as_json(send))
 
     def _closing(self, error: PayloadTooLarge | RequestTimeout) -> Response:
-        """The API's status for a body too large or too slow, as a JSON-RPC error (an MCP
-        client reads no other body at an error status), whose data is the API's body; the
-        id is unread (null); the connection is closed."""
+        """The API's status as a JSON-RPC error (id null) whose data is the API's body
+        (an MCP client reads no other body at an error status); closes the connection."""
         if isinstance(error, PayloadTooLarge):
             message = f"Invalid request: the message is larger than {self.max_body} bytes"
         else:
@@ -159,8 +144,7 @@ class _Gate:
 
 
 def _count_slow_body(scope: Scope) -> None:
-    """Count a body cut off at its deadline, as the API routes do, in the metrics
-    ``create_app`` keeps in ``app.state`` (Starlette puts itself in the scope)."""
+    """Count a body cut off at its deadline in the app's metrics, as the API routes do."""
     metrics = getattr(getattr(scope.get("app"), "state", None), "metrics", None)
     if isinstance(metrics, Metrics):
         metrics.slow_clients.labels("body").inc()
@@ -174,9 +158,8 @@ def _refused(refusal: Refusal) -> Response:
 
 
 def _sdk_errors_as_json(send: Send) -> Send:
-    """``send``, with the SDK's error answers in plain text (a foreign Host or Origin, a
-    missing Content-Type, an Accept without JSON) made the API's ``invalid`` body with
-    the same status and sentence. Each answer is one piece."""
+    """``send``, with the SDK's plain-text error answers (each one piece) made the API's
+    ``invalid`` body with the same status and sentence."""
     held: Message | None = None
 
     async def sending(message: Message) -> None:
@@ -221,10 +204,8 @@ def _as_json(body: bytes, status: int) -> bytes | None:
 
 
 class _ValuesOut(logging.Filter):
-    """Cuts a log line at its first colon: the SDK's DNS-rebinding check logs each
-    refused ``Host`` or ``Origin`` header whole, at WARNING ("Invalid Host header:
-    …"), a client's text of any size (64 KiB a line, as often as a client likes)
-    that leasekeeper's logs never hold. What is left says what was refused."""
+    """Cuts a log line at its first colon: the SDK logs each refused Host or Origin
+    header whole, a client's text of any size."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         head, colon, _ = record.getMessage().partition(":")

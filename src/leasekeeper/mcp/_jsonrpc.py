@@ -30,17 +30,10 @@ class Refusal:
 
 
 def read_message(text: bytes) -> dict[str, Any] | Refusal:
-    """One JSON-RPC message, a ``/mcp`` body or a line of stdin (a byte-order mark
-    already stripped), read by the API's rules, or why it is refused.
-
-    Not strict JSON (UTF-8, no repeated name, no NaN, no lone surrogate, nesting at
-    most 64 levels): the parse error (-32700), with the ``id`` a lenient reading finds.
-    The SDK's parsers would keep the last of a repeated name, while a gateway in front
-    may read the first. JSON but not one JSON-RPC message (an array, a batch, a
-    message of no known shape, an ``id`` that is neither an integer nor a string,
-    which the SDK took for a notification and answered nothing): the invalid-request
-    error (-32600), with the message's ``id`` where it is one. The sentences quote
-    no input (pydantic's would: namespaces, owner tokens).
+    """One JSON-RPC message (a ``/mcp`` body or a stdin line, BOM stripped) read by the
+    API's rules, or why it is refused: not strict JSON is -32700 (with the ``id`` a
+    lenient reading finds); not one JSON-RPC message (a batch, an unknown shape, an
+    ``id`` neither integer nor string) is -32600. The sentences quote no input.
     """
     try:
         message = parse_json_object(text)
@@ -88,10 +81,8 @@ _JSON_SPACE = re.compile(r"[ \t\n\r]*")
 
 
 def id_from_start(start: bytes) -> int | str | None:
-    """The ``id`` of a message known only by its start (a line too long to read whole),
-    where the members of its top-level object before the ``id`` are whole in ``start``
-    and the ``id``'s value is followed by a ``,`` or ``}`` there (else None). Clients
-    write the ``id`` near the front (``{"jsonrpc":"2.0","id":7,"method":...``)."""
+    """The ``id`` of a message known only by its start (a line too long), when the
+    top-level members up to and including the ``id`` are whole in ``start``; else None."""
     text = start.removeprefix(UTF8_BOM).decode("utf-8", "replace")
     decoder = json.JSONDecoder()
 

@@ -1,31 +1,14 @@
 """The MCP adapter: five lease tools over one ``LeaseService``.
 
-Each tool is one service operation. Its arguments are the HTTP body's fields,
-passed to ``service.handle`` as they came (the service validates them exactly as
-it validates an HTTP body), and its result is the HTTP body: as structured
-content, and as JSON text for clients that read only text. A refusal
-(``LeaseError``) is a tool error result (``isError: true``) carrying the error's
-body, so an agent can read ``status`` and ``retry_after_seconds``. Errors become
-results in one place, ``call_lease_tool``.
+Each tool is one service operation: its arguments are the HTTP body's fields, validated
+as HTTP's are, and its result is the HTTP body (structured, and as JSON text); a
+``LeaseError`` is a tool error result with the error's body (``call_lease_tool``).
+Over ``/mcp`` calls spend the HTTP routes' ``Limits``; over stdio nothing is limited.
 
-Tool calls over ``/mcp`` take from the same rate limits as the HTTP routes
-(``leasekeeper serve`` makes one ``Limits`` and hands it to both, which apply it
-with ``Limits.enforce``): every call from the client's address when the
-per-address limit is on, every call naming a namespace from that namespace's
-bucket when the per-namespace limit is on, and every mint from the address's
-mint bucket. The address is the HTTP client's, which the SDK passes to a tool
-handler as ``ctx.request`` (the Starlette request of the POST). Over stdio the
-peer is a local process with no address, and nothing is rate limited.
-
-The server is built on the SDK's low-level ``Server`` rather than ``MCPServer``:
-``MCPServer`` derives schemas from Python signatures and validates arguments with
-pydantic in lax mode (``"60"`` and ``true`` would pass as integers), while the
-contract wants the same strict validation as HTTP. Here the input schemas are
-derived from the request models' fields, and the only validation is the service's.
-
-The transports are mcp._http (streamable HTTP at ``/mcp``, beside the HTTP API) and
-mcp._stdio (``leasekeeper mcp``). Nothing in this package logs tool arguments or
-results: they hold namespaces, keys, owner tokens, fingerprints and results.
+Built on the SDK's low-level ``Server``: ``MCPServer`` validates arguments in pydantic's
+lax mode (``"60"`` and ``true`` would pass as integers). Transports: ``_http`` (``/mcp``)
+and ``_stdio`` (``leasekeeper mcp``). Nothing here logs tool arguments or results: they
+hold secrets.
 """
 
 from __future__ import annotations
@@ -136,6 +119,19 @@ def _schema(tool: str) -> dict[str, Any]:
     return tool_input_schema(model, _ARGUMENTS)
 
 
+def _hints(
+    title: str, *, read_only: bool = False, destructive: bool = False, idempotent: bool
+) -> types.ToolAnnotations:
+    """A tool's annotations; no tool reaches outside leasekeeper."""
+    return types.ToolAnnotations(
+        title=title,
+        read_only_hint=read_only,
+        destructive_hint=destructive,
+        idempotent_hint=idempotent,
+        open_world_hint=False,
+    )
+
+
 _ERRORS_ANY_TOOL = (
     'Other errors: "invalid" (an argument breaks a rule; the error names it; fix it, do not '
     'retry unchanged), "rate_limited" (too many requests from your address or for this '
@@ -161,15 +157,8 @@ _TOOLS: Final = (
             "retry_after_seconds."
         ),
         input_schema=_schema("create_lease_namespace"),
-        annotations=types.ToolAnnotations(
-            title="Create a lease namespace",
-            # Minting stores nothing: the namespace is its own proof. Every call
-            # returns a new one, hence not idempotent.
-            read_only_hint=True,
-            destructive_hint=False,
-            idempotent_hint=False,
-            open_world_hint=False,
-        ),
+        # Minting stores nothing (the namespace is its own proof); each call makes a new one.
+        annotations=_hints("Create a lease namespace", read_only=True, idempotent=False),
     ),
     types.Tool(
         name="acquire_lease",
@@ -192,15 +181,8 @@ _TOOLS: Final = (
             "reuse a key for other work.\n" + _ERRORS_ANY_TOOL
         ),
         input_schema=_schema("acquire_lease"),
-        annotations=types.ToolAnnotations(
-            title="Acquire a lease",
-            read_only_hint=False,
-            # It creates ownership; it takes nothing away from a live owner.
-            destructive_hint=False,
-            # A repeat after the lease expires makes a new owner: not idempotent.
-            idempotent_hint=False,
-            open_world_hint=False,
-        ),
+        # It takes nothing from a live owner; a repeat after expiry makes a new owner.
+        annotations=_hints("Acquire a lease", idempotent=False),
     ),
     types.Tool(
         name="renew_lease",
@@ -217,14 +199,8 @@ _TOOLS: Final = (
             "needs doing.\n" + _ERRORS_ANY_TOOL
         ),
         input_schema=_schema("renew_lease"),
-        annotations=types.ToolAnnotations(
-            title="Renew a lease",
-            read_only_hint=False,
-            destructive_hint=False,
-            # Repeating it leaves the same state: held until about now + ttl.
-            idempotent_hint=True,
-            open_world_hint=False,
-        ),
+        # Repeating it leaves the same state: held until about now + ttl.
+        annotations=_hints("Renew a lease", idempotent=True),
     ),
     types.Tool(
         name="release_lease",
@@ -238,15 +214,8 @@ _TOOLS: Final = (
             "Do not write the job's output.\n" + _ERRORS_ANY_TOOL
         ),
         input_schema=_schema("release_lease"),
-        annotations=types.ToolAnnotations(
-            title="Release a lease",
-            read_only_hint=False,
-            # It ends the caller's ownership.
-            destructive_hint=True,
-            # A repeat is refused as lost and changes nothing.
-            idempotent_hint=True,
-            open_world_hint=False,
-        ),
+        # It ends the caller's ownership; a repeat is refused as lost and changes nothing.
+        annotations=_hints("Release a lease", destructive=True, idempotent=True),
     ),
     types.Tool(
         name="complete_lease",
@@ -264,15 +233,8 @@ _TOOLS: Final = (
             "(your lease is unchanged).\n" + _ERRORS_ANY_TOOL
         ),
         input_schema=_schema("complete_lease"),
-        annotations=types.ToolAnnotations(
-            title="Complete a lease",
-            read_only_hint=False,
-            # It ends ownership for the whole lifecycle and fixes the result.
-            destructive_hint=True,
-            # A repeat is refused as lost and changes nothing.
-            idempotent_hint=True,
-            open_world_hint=False,
-        ),
+        # It ends ownership for the lifecycle and fixes the result; a repeat changes nothing.
+        annotations=_hints("Complete a lease", destructive=True, idempotent=True),
     ),
 )
 
@@ -332,15 +294,9 @@ async def call_lease_tool(
     limits: Limits | None = None,
     scope: Mapping[str, Any] | None = None,
 ) -> types.CallToolResult:
-    """Run tool ``name`` on ``service``; every outcome but an unknown tool is a result.
-
-    This is the one place where MCP maps outcomes: a reply is a result, a
-    ``LeaseError`` is an error result with the same body as over HTTP. With
-    ``limits``, the call spends what an HTTP request of the same operation and
-    body would, at the same points (the address before anything else, the mint
-    and namespace limits once the arguments pass the checks HTTP's parser makes),
-    for the client address of the ASGI ``scope`` of the HTTP request
-    (``"unknown"`` without one); a refusal is the ``rate_limited`` error.
+    """Run tool ``name`` on ``service``; every outcome but an unknown tool is a result
+    (a ``LeaseError``: an error result with HTTP's body). With ``limits``, the call
+    spends what the same HTTP request would, for the ASGI ``scope``'s client address.
     """
     operation = TOOL_OPERATIONS.get(name)
     if operation is None:
@@ -348,9 +304,8 @@ async def call_lease_tool(
         raise MCPError(code=types.INVALID_PARAMS, message=f"Unknown tool: {name}")
     data = dict(arguments or {})
     try:
-        # In HTTP's order: the address pays for any request; the arguments are checked
-        # as HTTP's parser checks a body (depth, lone surrogates: JSON-RPC parsers do
-        # not); only then are the mint and namespace limits spent.
+        # In HTTP's order: address limit, the body checks HTTP's parser makes, then the
+        # mint and namespace limits.
         if limits is not None:
             limits.enforce_address(scope or {})
         check_tree(data)
@@ -362,8 +317,7 @@ async def call_lease_tool(
         body = error.body()
         return _result(body, orjson.dumps(body), is_error=True)
     except Exception:
-        # Like HTTP's unexpected_handler: the traceback goes to the log, never
-        # the arguments; the caller gets ``internal`` without details.
+        # As HTTP's: the traceback is logged, never the arguments.
         log.exception("unexpected error in MCP tool %s", name)
         body = InternalError().body()
         return _result(body, orjson.dumps(body), is_error=True)
@@ -378,13 +332,8 @@ def _result(body: dict[str, Any], text: bytes, *, is_error: bool) -> types.CallT
 
 
 def create_mcp_server(service: LeaseService, *, limits: Limits | None = None) -> Server[Any]:
-    """An MCP server exposing the five lease tools over ``service``.
-
-    The server does not open or close the service: its owner does (the HTTP
-    app's lifespan, or ``serve_stdio``). With ``limits`` (streamable HTTP), tool
-    calls take from them per HTTP client address and per namespace, as HTTP
-    requests do; without (stdio), nothing is rate limited.
-    """
+    """An MCP server with the five lease tools over ``service``, which its owner opens
+    and closes. ``limits`` as for ``call_lease_tool``."""
 
     tools = lease_tools(service.lifecycle_seconds)
     schemas = {tool.name: tool.input_schema for tool in tools}
@@ -428,8 +377,7 @@ def _version() -> str:
 
 
 def quiet_sdk_logs() -> None:
-    """Keep the MCP SDK's own loggers at WARNING or above (a root level above WARNING
-    still applies): at DEBUG the SDK logs frames whole, tool arguments (namespaces,
-    keys, owner tokens) included, and its INFO lines are transport chatter."""
+    """Keep the MCP SDK's loggers at WARNING or above: at DEBUG it logs whole frames,
+    secrets included."""
     sdk = logging.getLogger("mcp")
     sdk.setLevel(max(logging.WARNING, logging.getLogger().getEffectiveLevel()))

@@ -43,12 +43,10 @@ async def serve_stdio(
     cleanup_interval_seconds: float | None,
     max_message_bytes: int = Settings().max_body_bytes,
 ) -> None:
-    """Serve MCP over this process's stdin and stdout until stdin closes.
+    """Serve MCP over stdin and stdout until stdin closes; opens and closes ``service``.
 
-    Opens and closes ``service``. With ``cleanup_interval_seconds`` the store's
-    finished lifecycles are deleted that often, as ``leasekeeper serve`` does.
-    Each line of stdin is checked as ``/mcp`` checks a body (``StrictStdin``), and
-    one longer than ``max_message_bytes`` is refused as a body that size would be.
+    With ``cleanup_interval_seconds``, finished lifecycles are deleted that often. Each
+    line is checked as ``/mcp`` checks a body, up to ``max_message_bytes``.
     """
     server = create_mcp_server(service)
     stdin = StrictStdin(sys.stdin.fileno(), max_message_bytes)
@@ -72,8 +70,7 @@ async def serve_stdio(
         log.warning("stdout is closed (the MCP client went away); stopping")
         peer_gone = True
     except* (anyio.BrokenResourceError, anyio.ClosedResourceError):
-        # Stopped (Ctrl-C) while answers were on their way: the SDK's streams were closed
-        # under them. That is the stop asked for, not a failure; anything else is one.
+        # Stopped (Ctrl-C) with answers on their way: the stop asked for, not a failure.
         if not _stopping():
             raise
     finally:
@@ -83,14 +80,8 @@ async def serve_stdio(
 
 
 def _drop_unsendable_answers() -> None:
-    """Collect now the SDK's stdout writer, whose peer has gone, without a second report.
-
-    The writer (a buffered file under a text wrapper) still holds the answer whose flush
-    met the closed pipe, in a reference cycle (the error's traceback). The finalizer
-    that runs first, the buffer's or the wrapper's (the collector's order), flushes and
-    fails again, which Python 3.13 (3.11 and 3.12 in development mode) prints to stderr
-    through ``sys.unraisablehook``: lines that are not the log's JSON, saying what the
-    WARNING said. That one error is dropped here; any other is reported.
+    """Collect the SDK's stdout writer now, dropping the ``BrokenPipeError`` its
+    finalizer's flush would print to stderr (not the log's JSON); any other is reported.
     """
     report = sys.unraisablehook
 
@@ -115,15 +106,10 @@ def _stopping() -> bool:
 
 
 class StrictStdin:
-    """What the SDK's stdio transport reads instead of stdin: lines read as ``/mcp``
-    reads a body (``read_message``), the ones refused answered here, never handed on.
-
-    The SDK reads a line of any length, with ``errors="replace"`` (two different
-    malformed byte sequences become one key), keeps the last of a repeated name
-    (``"key":"a","key":"b"`` takes a lease on ``b``) and answers nothing to a line it
-    cannot parse or validate. Here each refusal is answered, with the message's ``id``
-    where one can be read; a line longer than ``max_bytes`` is the invalid-request
-    error (-32600). Blank lines are skipped, and a byte-order mark is ignored.
+    """What the SDK's stdio transport reads instead of stdin (whose reading is lenient,
+    unbounded and silent on bad lines): lines read as ``/mcp`` reads a body
+    (``read_message``); a refused one, or one over ``max_bytes`` (-32600), is answered
+    here with its ``id`` where readable. Blank lines are skipped, a BOM ignored.
     """
 
     def __init__(self, fd: int, max_bytes: int) -> None:
@@ -136,8 +122,8 @@ class StrictStdin:
         self._answered = anyio.Event()
 
     def answer_through(self, write_stream: Any) -> _Watched:
-        """Send refusals where the server sends its messages (the SDK's write stream),
-        and the stream for the server to send through, which tells each answer here."""
+        """Send refusals on the SDK's write stream; the returned stream tells each
+        answer here."""
         self._answers = write_stream.clone()
         self._ready.set()
         return _Watched(write_stream, self._settled)
@@ -155,9 +141,8 @@ class StrictStdin:
             self._answered.set()
 
     async def _drain(self) -> None:
-        """Wait, up to ``_DRAIN_SECONDS``, until every request handed on is answered:
-        when stdin ends, the SDK cancels the calls still running, and a call the store
-        has already decided (a lease granted) would be answered "Connection closed"."""
+        """Wait, up to ``_DRAIN_SECONDS``, for every request handed on to be answered:
+        at the end of stdin the SDK cancels running calls, even ones already decided."""
         with anyio.move_on_after(_DRAIN_SECONDS):
             while self._unanswered:
                 await self._answered.wait()
@@ -167,15 +152,12 @@ class StrictStdin:
         return self._lines()
 
     async def _lines(self) -> AsyncIterator[str]:
-        # Lines come from a daemon thread of their own: one blocked reading stdin must
-        # not keep the process from exiting (on Ctrl-C, say), as a worker thread of
-        # anyio's would (the interpreter waits for those at exit).
+        # A daemon thread of our own: one blocked on stdin must not hold up exit.
         lines: asyncio.Queue[bytes | _TooLong] = asyncio.Queue(maxsize=8)
         loop = asyncio.get_running_loop()
 
         def deliver(line: bytes | _TooLong) -> bool:
-            """Hand ``line`` to the loop, waiting while the queue is full; False once
-            the loop is closed or closing (nobody reads any more)."""
+            """Hand ``line`` to the loop; False once the loop is closed or closing."""
             put = lines.put(line)
             try:
                 asyncio.run_coroutine_threadsafe(put, loop).result()
@@ -246,8 +228,7 @@ _DRAIN_SECONDS: Final = 30.0
 
 
 class _Watched:
-    """The SDK's write stream for the server's messages, telling ``settled`` the id of
-    each answer (a result or an error) once it is sent."""
+    """The SDK's write stream, telling ``settled`` each answer's id once sent."""
 
     def __init__(self, stream: Any, settled: Callable[[object], None]) -> None:
         self._stream = stream
@@ -281,9 +262,8 @@ class _TooLong:
 
 
 class _FdLines:
-    """Lines from a file descriptor, read with ``os.read``: no buffered file object,
-    whose lock a daemon thread blocked in a read would hold when the interpreter
-    closes it at exit (a fatal error)."""
+    """Lines read with ``os.read`` (a buffered file's lock, held by a blocked daemon
+    thread, is a fatal error at exit)."""
 
     def __init__(self, fd: int, max_bytes: int) -> None:
         self._fd = fd
@@ -291,9 +271,8 @@ class _FdLines:
         self._buffer = bytearray()
 
     def readline(self) -> bytes | _TooLong:
-        """The next line (``b""`` at the end), or ``_TooLong`` for a line longer than
-        ``max_bytes`` without its newline, which is read to its end and dropped but for
-        its start."""
+        """The next line (``b""`` at the end), or ``_TooLong`` for one over ``max_bytes``
+        (read to its end, its start kept)."""
         too_long: _TooLong | None = None
         searched = 0  # the buffer before this holds no newline: each byte is looked at once
         while True:

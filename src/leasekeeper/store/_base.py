@@ -67,22 +67,19 @@ class Store(Protocol):
         ...
 
     async def purge(self, limit: int, after: bytes | None = None) -> Purged:
-        """One bounded step of a walk that deletes the records whose lifecycle is over at
-        the store's ``now``: at most ``limit`` (a store that walks in key order, SQLite,
-        looks at no more than ``limit``, those past ``after``). Pass ``resume`` as the
-        next ``after``; it is ``None`` once the walk has covered the store. Records
-        written behind the walk wait for the next one. Never lowers the counter."""
+        """One bounded step of a walk deleting records whose lifecycle is over: at most
+        ``limit`` (SQLite looks at no more than ``limit`` past ``after``). Pass ``resume``
+        as the next ``after`` until it is ``None``. Never lowers the counter."""
         ...
 
     async def ping(self) -> None:
-        """Succeed when the store can serve requests (``/readyz``): it can be reached, and
-        it has not refused a write for want of room or resources lately (``Refusals``)."""
+        """Succeed when the store can serve requests (``/readyz``): reachable, and no
+        recent write refused for want of room or resources (``Refusals``)."""
         ...
 
     async def raise_fence(self, at_least: int) -> int:
-        """As one durable transaction: raise the fencing counter to ``at_least`` unless it
-        is higher, and return it. Every token granted after it returns is above that
-        value, on every instance sharing the store (``leasekeeper fence``)."""
+        """As one durable transaction: raise the fencing counter to at least ``at_least``
+        and return it; every later token, on every instance, is above it."""
         ...
 
 
@@ -118,9 +115,8 @@ class Durable(Protocol):
 def not_ours(
     table: str, found: Sequence[Sequence[object]], wanted: Sequence[Sequence[object]]
 ) -> str | None:
-    """Why ``table``, whose columns are ``found``, is not the one leasekeeper makes
-    (``wanted``), or None. Each column is a sequence that starts with its name, then
-    whatever the store compares (type, NOT NULL, key)."""
+    """Why ``table`` (columns ``found``, each its name then what the store compares) is
+    not the one leasekeeper makes (``wanted``), or None."""
     if [tuple(column) for column in found] == [tuple(column) for column in wanted]:
         return None
     names = [column[0] for column in found]
@@ -139,9 +135,8 @@ def not_ours(
 def decide_with_fence(
     record: LeaseRecord | None, command: Command, now_ms: int, next_fence: Callable[[], int]
 ) -> Decision:
-    """The rules' decision, with a token from ``next_fence`` when it grants a new owner:
-    called only then, inside the caller's transaction, it must return a value higher
-    than any it returned before."""
+    """The rules' decision, with a token from ``next_fence`` (called inside the caller's
+    transaction, only for a new owner; always higher than before)."""
     decision = decide(record, command, now_ms)
     if decision.new_owner:
         fence = next_fence()
@@ -157,12 +152,10 @@ def decide_in_turn(
     now_ms: Callable[[], int],
     next_fence: Callable[[], int],
 ) -> tuple[list[Decision | LeaseError], dict[bytes, LeaseRecord]]:
-    """Decide ``commands`` as if each ran alone, in turn, on ``found`` (their keys'
-    stored records) as the commands before it left them; a command refused or failing
-    gets its error in its place and changes nothing. Returns each command's decision or
-    error, and the last record of every changed key: what the store must write, inside
-    the transaction that read ``found``.
-    """
+    """Decide ``commands`` in turn, each on ``found`` as the ones before left it (a
+    refused or failing one gets its error and changes nothing). Returns each outcome,
+    and the last record of every changed key: what to write in the transaction that
+    read ``found``."""
     records = dict(found)
     outcomes: list[Decision | LeaseError] = []
     writes: dict[bytes, LeaseRecord] = {}
@@ -184,10 +177,8 @@ def decide_in_turn(
 
 
 class Throttled:
-    """Logs a line at most once every ``every_ms``, then with how many like it were not
-    logged: when every batch fails (a full disk, an unreachable database), a line for
-    each would flood the logs, often on that same disk. ``now_ms`` is any clock of
-    milliseconds; safe to call from any thread."""
+    """Logs a line at most once every ``every_ms``, with a count of those skipped (a
+    failing store must not flood the logs). Thread-safe."""
 
     def __init__(
         self,
@@ -217,12 +208,10 @@ class Throttled:
 
 
 class Refusals:
-    """Whether the store has lately refused writes for want of room or resources (a
-    full disk, a failing device): ``check`` (in ``ping``) raises ``ServiceUnavailable``
-    until ``hold_ms`` after the last one, or a store still readable would look ready.
-    A write that succeeds meanwhile does not end it (on a full disk, renewals in place
-    succeed while new keys fail: readiness would flap), and one key's or call's failure
-    (a lock, a timeout) is not one. ``now_ms``: any clock of ms; safe from any thread."""
+    """Whether the store lately refused a write for want of room or resources: ``check``
+    (in ``ping``) raises ``ServiceUnavailable`` until ``hold_ms`` after the last one,
+    even if writes succeed meanwhile (readiness must not flap on a full disk).
+    Thread-safe."""
 
     def __init__(self, now_ms: Callable[[], int], hold_ms: int = 10_000) -> None:
         self._now_ms = now_ms

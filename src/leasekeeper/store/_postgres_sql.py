@@ -28,22 +28,17 @@ Connection = psycopg.AsyncConnection[TupleRow]
 
 SCHEMA_VERSION: Final = 1
 
-# The fencing counter is a SEQUENCE: nextval() hands out strictly increasing values in
-# the order sessions call it, whatever the instance, and a value is durable once a
-# transaction that used it commits (synchronous_commit=on). Unlike a counter row, it
-# holds no lock until COMMIT, so grants do not queue behind each other's commits.
-# CACHE must stay 1: with CACHE n each session pre-allocates n values, and a session
-# holding an older block would grant lower tokens after one holding a newer block.
-# Values burnt by a rolled-back attempt leave gaps, which the contract allows.
+# The fencing counter is a SEQUENCE: strictly increasing across sessions, durable once
+# a transaction that used it commits, and no lock held until COMMIT. CACHE must stay 1
+# (with blocks per session, an older block would grant lower tokens after a newer
+# one). Rolled-back draws leave gaps, which the contract allows.
 _SEQUENCE: Final = """
     CREATE SEQUENCE IF NOT EXISTS leasekeeper_fence
         AS bigint MINVALUE 1 MAXVALUE 9223372036854775807 START 1 CACHE 1 NO CYCLE
     """
 
-#: The tables, each column as (name, type, NOT NULL), the first the primary key: the
-#: migration creates them from this, and checks a store's tables against it.
-#: ``result`` is text, not jsonb: jsonb rejects \u0000, reorders keys and normalizes
-#: numbers, and a stored result must come back exactly as stored.
+#: The tables, each column as (name, type, NOT NULL), the first the primary key: created
+#: and checked from this. ``result`` is text, not jsonb, so it comes back exactly as stored.
 TABLES: Final = {
     "leasekeeper_meta": (("name", "text", True), ("value", "bigint", True)),
     "leasekeeper_leases": (
@@ -76,8 +71,7 @@ _DDL: Final = (
     """,
 )
 
-# The columns of the store's tables in its schema, in order: name, type, NOT NULL, and
-# whether the column is (part of) the primary key.
+# The store's tables' columns in its schema: name, type, NOT NULL, in the primary key.
 _TABLE_COLUMNS: Final = (
     "SELECT c.relname::text, a.attname::text, format_type(a.atttypid, a.atttypmod), "
     "a.attnotnull, EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid "
@@ -90,26 +84,20 @@ _TABLE_COLUMNS: Final = (
 )
 _READ_VERSION: Final = "SELECT value FROM leasekeeper_meta WHERE name = 'schema_version'"
 
-# Serializes schema changes between instances starting at once (CREATE … IF NOT
-# EXISTS is not safe against a concurrent CREATE). Keyed by schema, so stores in
-# different schemas do not wait for each other.
+# Serializes schema changes between instances starting at once, per schema (CREATE …
+# IF NOT EXISTS is not safe against a concurrent CREATE).
 _MIGRATION_LOCK: Final = (
     "SELECT pg_advisory_xact_lock(1818977131, hashtext(coalesce(%s::text, current_schema(), '')))"
 )
 
-# The database server's clock, in milliseconds: every instance reads time from it.
-# clock_timestamp() moves during a transaction; now() is frozen at its start.
+# The database server's clock in ms (every instance reads it); now() would be frozen.
 _DB_NOW_MS: Final = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
-# The clock, and the batch's transaction id: sent after the rows are locked, which
-# assigns the transaction its id whenever a row exists (FOR UPDATE marks the rows
-# with it). After a cut-off COMMIT, txid_status() on another connection then says
-# whether the transaction committed.
+# The clock and the batch's transaction id (assigned once FOR UPDATE locked a row):
+# after a cut-off COMMIT, txid_status() on another connection says whether it committed.
 READ_CLOCK_AND_TXID: Final = f"SELECT {_DB_NOW_MS}, txid_current_if_assigned()"
 TXID_STATUS: Final = "SELECT txid_status(%s)"
 
-# Whether a relation is in the schema the store's statements use (current_schema():
-# the first schema of the search_path that exists), not anywhere on the search_path,
-# where another store's could stand.
+# Whether a relation is in current_schema(), not merely somewhere on the search_path.
 _IN_OWN_SCHEMA: Final = (
     "EXISTS (SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
     "WHERE n.nspname = current_schema() AND c.relname = "
@@ -118,8 +106,7 @@ _FENCE_IN_OWN_SCHEMA: Final = _IN_OWN_SCHEMA + "'leasekeeper_fence')"
 STORE_EXISTS: Final = "SELECT " + _IN_OWN_SCHEMA + "'leasekeeper_meta')"
 _FENCE_EXISTS: Final = "SELECT " + _FENCE_IN_OWN_SCHEMA
 
-# The schema the store would be in (the first existing one of the search_path), and
-# the schemas of the search_path that hold a store, in its order.
+# The schema the store would be in, and the search_path's schemas holding a store.
 WHERE_THE_STORE_IS: Final = (
     "SELECT current_schema(), ARRAY(SELECT n.nspname::text FROM pg_class c "
     "JOIN pg_namespace n ON n.oid = c.relnamespace "
@@ -128,8 +115,7 @@ WHERE_THE_STORE_IS: Final = (
 )
 
 BEGIN: Final = "BEGIN ISOLATION LEVEL READ COMMITTED"
-# A batch's rows, locked in key order: two batches (of any instances) that share keys
-# take their locks in the same order, so they queue instead of deadlocking.
+# Locked in key order, so batches sharing keys queue instead of deadlocking.
 LOCK_ROWS: Final = (
     "SELECT key_id, fingerprint, absolute_expires_ms, fencing_token, owner, "
     "lease_expires_ms, completed_ms, result, updated_ms FROM leasekeeper_leases "
@@ -156,13 +142,9 @@ INSERT_MANY: Final = (
     "fencing_token, owner, lease_expires_ms, completed_ms, result, updated_ms) "
     "SELECT * " + _UNNEST + "ORDER BY key_id ON CONFLICT (key_id) DO NOTHING RETURNING key_id"
 )
-# SKIP LOCKED: a row locked by a decision in progress is left for the next step (that
-# decision may be starting a new lifecycle on it). The records that ended first go
-# first, through leasekeeper_leases_lifecycle_end. The clock is read once, in a
-# subquery (an InitPlan): in the WHERE clause itself clock_timestamp(), being volatile,
-# could not bound an index scan and would be evaluated for every row. The rows are
-# deleted where the subquery found and locked them (their ctid, which a held lock
-# keeps in place until the statement ends), not looked up again in the primary key.
+# SKIP LOCKED: a row a decision holds is left for the next step. Oldest lifecycle end
+# first, by its index; the clock is read once in a subquery (volatile in the WHERE, it
+# could not bound the index scan); rows are deleted by the ctid their lock holds still.
 PURGE_AT_DB_NOW: Final = (
     "DELETE FROM leasekeeper_leases WHERE ctid = ANY(ARRAY(SELECT ctid FROM leasekeeper_leases "  # noqa: S608 - module constants only
     f"WHERE absolute_expires_ms <= (SELECT {_DB_NOW_MS}) "
@@ -174,24 +156,19 @@ PURGE_AT: Final = (
     "FOR UPDATE SKIP LOCKED))"
 )
 PING: Final = "SELECT 1 FROM leasekeeper_leases LIMIT 0"
-# What a write needs besides the table: a session that may write (not a read-only
-# database, nor a standby reached by an old connection) and the fencing sequence.
+# What a write needs besides the table: a writable session and the fencing sequence.
 CAN_WRITE: Final = (
     "SELECT current_setting('transaction_read_only') = 'off', " + _FENCE_IN_OWN_SCHEMA
 )
-# Raising the counter (``raise_fence``): setval() alone could race another instance's
-# nextval() (read 10, another session draws 11, setval(10) takes it back). ALTER
-# SEQUENCE locks the sequence until COMMIT, and nextval() waits for that lock, so
-# between the read and the setval nothing is drawn. Needs the sequence's owner.
+# ``raise_fence``: ALTER SEQUENCE locks the sequence until COMMIT, so no nextval() runs
+# between the read and the setval (which alone could take a drawn value back).
 LOCK_FENCE: Final = "ALTER SEQUENCE leasekeeper_fence CACHE 1"
 # The counter: the last value drawn, or 0 before the first (last_value is then START).
 READ_FENCE: Final = (
     "SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM leasekeeper_fence"
 )
 SET_FENCE: Final = "SELECT setval('leasekeeper_fence', %s)"
-# Leases held at the store's now. A plain SELECT takes no row locks, and its ACCESS
-# SHARE table lock conflicts with none a write takes: the scan neither delays a
-# decision nor waits for one. The clock is read once, in a subquery, as in the purge.
+# Leases held now: a plain SELECT neither delays a decision nor waits for one.
 COUNT_LIVE_AT_DB_NOW: Final = (
     "SELECT count(*) FROM leasekeeper_leases WHERE owner IS NOT NULL AND lease_expires_ms > "  # noqa: S608 - module constants only
     f"(SELECT {_DB_NOW_MS})"
@@ -316,10 +293,8 @@ async def schema_problem(conn: Connection) -> str | None:
 
 
 async def _restart_fence_above_the_table(conn: Connection) -> None:
-    """The fencing sequence was just created (inside the migration's transaction, so no
-    one draws from it yet) beside a table that may hold records already (the sequence
-    was dropped, or left out of a restore): start it above the highest token stored,
-    never at 1 below tokens already handed out."""
+    """Start a just-created fencing sequence above the highest token already stored
+    (it was dropped, or left out of a restore)."""
     found = await conn.execute("SELECT max(fencing_token), count(*) FROM leasekeeper_leases")
     row = await found.fetchone()
     if row is None or row[0] is None:
@@ -343,14 +318,9 @@ _UNKNOWN_PARAMETER = re.compile(r'invalid URI query parameter: "([A-Za-z0-9_]{1,
 
 
 def conninfo(url: str, timeout: float, schema: str | None, application_name: str | None) -> str:
-    """The connection string: the URL's parameters, with the store's session settings.
-
-    Session settings travel in the startup packet (``options``): no round trip, no
-    connection without them, and they win over the role's and the database's.
-    ``synchronous_commit=on`` comes last so that nothing in the URL turns it off; the
-    timeouts come first so that the URL can override them (``lock_timeout=0``: a batch
-    waits for another instance's row lock within ``statement_timeout``, not a role's
-    short one). The client encoding is UTF-8 whatever else says: results are UTF-8 text.
+    """The connection string: the URL's parameters, with the store's session settings in
+    the startup ``options`` (the timeouts first, so the URL can override them;
+    ``synchronous_commit=on`` last, so it cannot). The client encoding is always UTF-8.
     """
     _check_userinfo(url)
     try:
@@ -395,11 +365,9 @@ def conninfo(url: str, timeout: float, schema: str | None, application_name: str
 
 
 def pinned(given: str, current: str | None, holding: list[str]) -> str:
-    """``given`` with the search_path set to ``current``, the schema the store is in (the
-    search_path's first existing schema; ``holding``: those that hold a store, in order).
-    The first existing schema moves when one is created ahead of it (``"$user"`` the
-    moment it exists): pinned, it stays put while the store is open. A store further on
-    the path is refused, or a new, empty one with a counter from 1 would start beside it.
+    """``given`` with the search_path pinned to ``current``, so the store's schema stays
+    put if one is created ahead of it. Refused when a store stands only further on
+    the path (``holding``): a new, empty one would start beside it.
     """
     if current is None:  # no schema to create the tables in: the migration says so
         return given
@@ -416,13 +384,9 @@ def pinned(given: str, current: str | None, holding: list[str]) -> str:
 
 
 def _check_userinfo(url: str) -> None:
-    """``ValueError`` for a URL whose user or password holds ``@``, ``/`` or ``#``
-    unencoded: libpq would split it elsewhere than meant (``user:a@b@host``: password
-    ``a``, host ``b@host``) and log part of the password as a host, port, database or
-    parameter. Read as libpq reads it: the userinfo runs to the first ``@`` before any
-    ``/`` (a ``?`` included), and another ``@`` before the query, or a ``#`` in it,
-    splits it; with no ``@`` before the first ``/``, an ``@`` before the query, or
-    after the ``/`` when a ``?`` came before it, is a password's."""
+    """``ValueError`` for a user or password holding ``@``, ``/`` or ``#`` unencoded:
+    libpq would split it elsewhere than meant and log part of the password. The
+    checks follow libpq's own reading of the userinfo."""
     rest = url.partition("://")[2]
     before_path = rest.partition("/")[0]
     if "@" in before_path:

@@ -1,10 +1,6 @@
 """The SQLite store's schema and statements: the writer's connection, and the reads
-apart from the writer (whether a store exists, what is damaged, the leases held).
-
-Every statement is a constant or is built from constants and ``?`` marks only. The
-store reads this module as a namespace (``sql.READ_FENCE``). The reads apart from the
-writer run beside running servers and before a store is opened (the operator
-commands), so none of them creates a store or waits for a writer.
+apart from it (run beside servers and by operator commands: none creates a store or
+waits for a writer). Statements are built from constants and ``?`` marks only.
 """
 
 from __future__ import annotations
@@ -83,18 +79,15 @@ READ_VERSION = "SELECT value FROM meta WHERE name = 'schema_version'"
 #: A table's columns as ``SCHEMA`` declares them: name, type, NOT NULL, place in the key.
 _TABLE_COLUMNS = 'SELECT name, upper(type), "notnull", pk FROM pragma_table_info(?) ORDER BY cid'
 COUNT_LIVE = "SELECT count(*) FROM leases WHERE owner IS NOT NULL AND lease_expires_ms > ?"
-#: A purge step walks the table in key order: the next ``limit`` keys past the last
-#: step's, then the finished records among them. Records live in key order, so a
-#: step's deletes share a few neighbouring pages of the WAL and of later checkpoints.
+#: A purge step walks the table in key order (its deletes share neighbouring pages): the
+#: next ``limit`` keys past the last step's, then the finished records among them.
 _PURGE_SPAN = (
     "SELECT count(*), max(key_id) FROM "
     "(SELECT key_id FROM leases WHERE key_id > ? ORDER BY key_id LIMIT ?)"
 )
 _PURGE = "DELETE FROM leases WHERE key_id > ? AND key_id <= ? AND absolute_expires_ms <= ?"
 
-#: SQLite's primary result codes that say the store cannot take writes at all (its own
-#: fixed messages, which name no data): a full disk, an I/O error, a read-only or
-#: unopenable file, a damaged one.
+#: SQLite's primary result codes that say the store cannot take writes at all.
 REFUSING = frozenset(
     {
         sqlite3.SQLITE_FULL,
@@ -108,26 +101,23 @@ REFUSING = frozenset(
 
 
 def primary_code(exc: sqlite3.Error) -> int:
-    """SQLite's primary result code of ``exc`` (its extended code's low byte); 0 for the
-    sqlite3 module's own errors, which carry none."""
+    """SQLite's primary result code of ``exc``; 0 for the sqlite3 module's own errors."""
     return (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
 
 
 @functools.lru_cache(maxsize=16)
 def upsert(nulls: _Nulls) -> str:
     """The upsert of a record whose nullable columns are NULL as ``nulls`` says. NULL is
-    written into the statement, and blobs are bound as ``bytearray`` (``params``):
-    Python 3.11's sqlite3 looks for an adapter for each ``None`` or ``bytes`` bound,
-    and formats and discards an AttributeError each time. (Registering adapters would
-    change them for a whole program that embeds leasekeeper.)"""
+    written into the statement and blobs bound as ``bytearray`` (``params``): Python
+    3.11's sqlite3 builds and drops an exception for each ``None`` or ``bytes`` bound."""
     null = dict(zip(("fingerprint", "owner", "completed_ms", "result"), nulls, strict=True))
     values = ", ".join("NULL" if null.get(column) else "?" for column in _COLUMNS)
     return _UPSERT_INTO + "(" + values + ")" + _UPSERT_SET  # only NULL and ? marks put in
 
 
 def params(record: LeaseRecord) -> tuple[_Nulls, list[object]]:
-    """Which nullable columns of ``record`` are NULL, and the values to bind for the
-    rest, in ``upsert``'s order, blobs as ``bytearray`` (why: ``upsert``)."""
+    """Which nullable columns of ``record`` are NULL, and the rest's values in
+    ``upsert``'s order."""
     fingerprint, owner = record.fingerprint, record.owner
     completed_ms, result = record.completed_ms, record.result
     bound: list[object] = [bytearray(record.key_id)]
@@ -205,8 +195,7 @@ def _expected_columns() -> dict[str, list[tuple[str, str, int, int]]]:
 
 
 def foreign_tables(conn: sqlite3.Connection) -> str | None:
-    """What makes a table of the file named as one of ours not ours (its columns), or
-    None; a table not there yet is no problem here."""
+    """Why a table named as one of ours is not ours, or None (a missing one is fine)."""
     for table, expected in _expected_columns().items():
         found = conn.execute(_TABLE_COLUMNS, (table,)).fetchall()
         if found and (problem := not_ours(table, found, expected)) is not None:
@@ -291,17 +280,13 @@ def _set_up(conn: sqlite3.Connection, path: Path, timeout: float) -> None:
     # The event loop takes the write lock without waiting; the writer's thread sets
     # the timeout around its own BEGIN.
     conn.execute("PRAGMA busy_timeout = 0")
-    # From here a COMMIT writes the WAL without an fsync, and the syncer fsyncs it
-    # before any answer. NORMAL still syncs the WAL's header when the WAL starts over,
-    # and both files around each checkpoint, as FULL does.
+    # From here a COMMIT does not fsync the WAL: the syncer does, before any answer.
     conn.execute("PRAGMA synchronous = NORMAL")
 
 
 def exists(path: Path, timeout: float) -> bool:
     """Whether a file holding leasekeeper's tables is at ``path``, read without changing
-    anything (``leasekeeper fence`` must make no store in a mistyped path or another
-    program's file). A store too damaged to list its tables is there; a file SQLite
-    cannot read for another reason raises ``sqlite3.Error``, not "no store"."""
+    anything. A damaged store is there; another read failure raises ``sqlite3.Error``."""
     if not path.is_file():
         return False
     try:
@@ -321,10 +306,8 @@ def exists(path: Path, timeout: float) -> bool:
 
 
 def damage(path: Path, timeout: float) -> str | None:
-    """What SQLite's ``integrity_check`` finds wrong ("the SQLite store is damaged
-    (…)"), or None; ``ServiceUnavailable`` when the file cannot be read. A PASSIVE
-    checkpoint first (safe beside servers): a leftover WAL whose pages lie past a copy's
-    end reads intact, but no checkpoint could fold it in, and the WAL would only grow."""
+    """What ``integrity_check`` finds wrong, or None; ``ServiceUnavailable`` when the
+    file cannot be read. A PASSIVE checkpoint first, so a leftover WAL is checked too."""
     try:
         real = path.resolve()  # the WAL is beside the file, not beside a link to it
         with contextlib.closing(sqlite3.connect(real, timeout=timeout)) as conn:
@@ -334,8 +317,7 @@ def damage(path: Path, timeout: float) -> str | None:
     except sqlite3.DatabaseError as exc:
         if primary_code(exc) in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
             return f"the SQLite store is damaged ({exc})"
-        # Not the file's fault (a read-only directory, a lock held too long): a sound
-        # store must not be sent back to a backup.
+        # Not the file's fault: a sound store must not be sent back to a backup.
         raise ServiceUnavailable(f"Cannot check the SQLite store at {path}: {exc}") from None
     if found is not None and found[0] == "ok":
         return None
@@ -360,10 +342,8 @@ def fencing_counter(path: Path) -> int:
 def _read_only(
     path: Path, timeout: float, *, leave_no_files: bool = False
 ) -> contextlib.closing[sqlite3.Connection]:
-    """A read-only connection, waiting up to ``timeout`` for a lock: ``immutable`` with
-    ``leave_no_files`` and no WAL beside the file (so no ``-wal`` or ``-shm`` is
-    created), else ``mode=ro``, as a server reads. The WAL is looked for beside the
-    file itself, where SQLite keeps it, not beside a symbolic link to it."""
+    """A read-only connection; ``immutable`` with ``leave_no_files`` and no WAL beside
+    the real file (so no ``-wal`` or ``-shm`` is created)."""
     real = path.resolve()
     mode = "mode=ro"
     if leave_no_files and not Path(f"{real}-wal").exists():

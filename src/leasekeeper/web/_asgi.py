@@ -21,31 +21,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Collection, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, Unpack
 
 from leasekeeper import LeaseError, LeaseLost, PayloadTooLarge
 from leasekeeper.client import AsyncHeldLease, AsyncLeaseClient
-from leasekeeper.web._policy import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_METHODS, Policy
-from leasekeeper.web._problems import Reply, body_too_large, refusal, unreadable
+from leasekeeper.web._policy import Policy, PolicyOptions
+from leasekeeper.web._problems import Reply, body_too_large, lease_refused
 from leasekeeper.web._request import (
     HEADER,
-    Fingerprint,
     IdempotentRequest,
-    KeyScope,
     RequestLease,
     read_key,
 )
 from leasekeeper.web._stored import (
     COMPLETE_RETRY_DELAYS,
-    DEFAULT_STORED_HEADERS,
     LOST_BEFORE_STORED,
     NOT_STORED,
     UNSURE_COMPLETE,
     ResponseRecorder,
-    UnreadableResult,
-    replay,
+    replay_or_unreadable,
     results_to_store,
 )
 
@@ -67,20 +63,14 @@ _STATE_NAME = "leasekeeper"
 class IdempotencyMiddleware:
     """Makes an ASGI app's POST and PATCH requests idempotent by their ``Idempotency-Key``.
 
-    ``service`` is leasekeeper's URL (``http://127.0.0.1:8787``) or an
-    ``AsyncLeaseClient``; ``namespace`` a minted ``ns_...`` (keys may then be readable
-    strings such as ``order-17``; without one the service only takes high-entropy keys).
-    Options: ``methods`` guarded; ``paths`` (exact paths, prefixes ending with ``*``,
-    or a function of the path); ``required`` (a guarded request without a key is 400);
-    ``ttl`` of the lease, renewed while the app runs; ``stored_statuses`` (a
-    collection or a function; every status below 500 by default); ``wait`` seconds a
-    duplicate waits for the first to finish (0: it gets 409 at once); ``fail_open``
-    (leasekeeper unreachable: run the request unguarded, with a WARNING, instead of
-    503); ``fingerprint`` and ``key_scope``, functions of an ``IdempotentRequest``;
-    ``stored_headers``; ``max_request_bytes``; ``docs_url`` for the problems' type.
-
-    The app finds its lease in ``scope["state"]["leasekeeper"]`` (a ``RequestLease``,
-    None when it runs unguarded). See docs/middleware.md.
+    ``service`` is leasekeeper's URL or an ``AsyncLeaseClient``; ``namespace`` a minted
+    ``ns_...`` (or None: the service then takes only high-entropy keys). The options
+    (``PolicyOptions``): ``methods``, ``paths`` (exact, prefixes ending with ``*``, or a
+    function), ``required``, ``ttl``, ``stored_statuses`` (below 500 by default),
+    ``wait`` (0: a duplicate gets 409 at once), ``fail_open`` (run unguarded rather than
+    503), ``fingerprint``, ``key_scope``, ``stored_headers``, ``max_request_bytes``,
+    ``docs_url``. The app finds its lease in ``scope["state"]["leasekeeper"]`` (a
+    ``RequestLease``, None when unguarded). See docs/middleware.md.
     """
 
     def __init__(
@@ -89,35 +79,10 @@ class IdempotencyMiddleware:
         service: str | AsyncLeaseClient,
         *,
         namespace: str | None,
-        methods: Iterable[str] = DEFAULT_METHODS,
-        paths: Iterable[str] | Callable[[str], bool] | None = None,
-        required: bool = False,
-        ttl: int = 30,
-        stored_statuses: Collection[int] | Callable[[int], bool] | None = None,
-        wait: float = 0.0,
-        fail_open: bool = False,
-        fingerprint: Fingerprint | None = None,
-        key_scope: KeyScope | None = None,
-        stored_headers: Iterable[str] = DEFAULT_STORED_HEADERS,
-        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-        docs_url: str | None = None,
+        **options: Unpack[PolicyOptions],
     ) -> None:
         self.app = app
-        self.policy = Policy.build(
-            namespace=namespace,
-            methods=methods,
-            paths=paths,
-            required=required,
-            ttl=ttl,
-            stored_statuses=stored_statuses,
-            wait=wait,
-            fail_open=fail_open,
-            fingerprint=fingerprint,
-            key_scope=key_scope,
-            stored_headers=stored_headers,
-            max_request_bytes=max_request_bytes,
-            docs_url=docs_url,
-        )
+        self.policy = Policy.build(namespace=namespace, **options)
         if isinstance(service, AsyncLeaseClient):
             self._url: str | None = None
             self._lease_client = service
@@ -203,19 +168,14 @@ class IdempotencyMiddleware:
                     )
                 )
             except LeaseError as error:
-                reply = refusal(policy, error)
+                reply = lease_refused(policy, error)
                 if reply is None:
-                    log.warning(
-                        "leasekeeper is unavailable (%s): the request runs unguarded", error.error
-                    )
                     await self.app(_scope_with(scope, None), receive, send)
                 else:
-                    if reply.status == 400:
-                        log.warning("leasekeeper refused an Idempotency-Key: %s", error.error)
                     await _send_reply(send, reply)
                 return
             if lease.completed:
-                await _send_reply(send, _replay(policy, lease.result))
+                await _send_reply(send, replay_or_unreadable(policy, lease.result))
                 return
             exchange = _Exchange(policy, lease, send)
             await self.app(_scope_with(scope, lease), receive, exchange.send)
@@ -255,9 +215,8 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
 
 
 def _scope_with(scope: Scope, lease: AsyncHeldLease | None) -> Scope:
-    """A copy of ``scope`` carrying the lease in its state, without the ``http.response.*``
-    extensions (zero-copy and path sends, trailers, early hints): their messages carry
-    what a recorded response cannot hold, and an app uses them only when offered."""
+    """A copy of ``scope`` with the lease in its state and without the ``http.response.*``
+    extensions, whose messages a recorded response cannot hold."""
     state = dict(scope.get("state") or {})
     state[_STATE_NAME] = RequestLease(lease) if lease is not None else None
     extensions = {
@@ -268,14 +227,6 @@ def _scope_with(scope: Scope, lease: AsyncHeldLease | None) -> Scope:
     return {**scope, "state": state, "extensions": extensions}
 
 
-def _replay(policy: Policy, result: Any) -> Reply:
-    try:
-        return replay(policy, result)
-    except UnreadableResult:
-        log.error("the result stored for an Idempotency-Key is not a stored response")
-        return unreadable(policy)
-
-
 async def _send_reply(send: Send, reply: Reply) -> None:
     headers = [(n.encode("latin-1"), v.encode("latin-1")) for n, v in reply.framed_headers()]
     await send({"type": "http.response.start", "status": reply.status, "headers": headers})
@@ -283,9 +234,8 @@ async def _send_reply(send: Send, reply: Reply) -> None:
 
 
 class _Exchange:
-    """The app's ``send`` for a guarded request: records the response and stores it
-    before any of it reaches the client, so that a client that has the response and
-    retries gets it replayed."""
+    """The app's ``send`` for a guarded request: the response is stored before any of it
+    reaches the client, so a client that has it and retries gets it replayed."""
 
     def __init__(self, policy: Policy, lease: AsyncHeldLease, send: Send) -> None:
         self._policy = policy

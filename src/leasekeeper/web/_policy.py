@@ -9,6 +9,7 @@ import hashlib
 import math
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
+from typing import TypedDict
 
 from leasekeeper.web._problems import Reply, key_malformed
 from leasekeeper.web._request import (
@@ -20,11 +21,28 @@ from leasekeeper.web._request import (
 )
 from leasekeeper.web._stored import DEFAULT_STORED_HEADERS, FORBIDDEN_STORED_HEADERS
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_METHODS", "Policy"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_METHODS", "Policy", "PolicyOptions"]
 
 DEFAULT_METHODS: tuple[str, ...] = ("POST", "PATCH")
 #: Request bodies are read whole before the handler runs (the fingerprint covers them).
 DEFAULT_MAX_REQUEST_BYTES: int = 10 * 1024 * 1024
+
+
+class PolicyOptions(TypedDict, total=False):
+    """The middlewares' keyword options, with their defaults in ``Policy.build``."""
+
+    methods: Iterable[str]
+    paths: Iterable[str] | Callable[[str], bool] | None
+    required: bool
+    ttl: int
+    stored_statuses: Collection[int] | Callable[[int], bool] | None
+    wait: float
+    fail_open: bool
+    fingerprint: Fingerprint | None
+    key_scope: KeyScope | None
+    stored_headers: Iterable[str]
+    max_request_bytes: int
+    docs_url: str | None
 
 
 @dataclass(frozen=True, slots=True)

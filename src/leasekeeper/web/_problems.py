@@ -6,6 +6,7 @@ repeats the key: it is a secret.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -16,12 +17,15 @@ from leasekeeper import FingerprintConflict, InvalidRequest, LeaseError, LeaseHe
 if TYPE_CHECKING:
     from leasekeeper.web._policy import Policy
 
+log = logging.getLogger("leasekeeper.web")
+
 __all__ = [
     "Reply",
     "body_too_large",
     "in_flight",
     "key_malformed",
     "key_missing",
+    "lease_refused",
     "problem",
     "refusal",
     "status_line",
@@ -53,9 +57,8 @@ def problem(
     detail: str,
     extra: Sequence[tuple[str, str]] = (),
 ) -> Reply:
-    """An ``application/problem+json`` reply. With ``docs_url`` its ``type`` is that page
-    (``#slug``) and a ``Link`` header points there, as the draft suggests; without, the
-    type is ``about:blank``, whose title RFC 9457 says is the status's own phrase."""
+    """An ``application/problem+json`` reply: with ``docs_url``, typed ``docs_url#slug``
+    with a ``Link`` header; without, ``about:blank`` titled by the status phrase."""
     body: dict[str, Any] = {}
     headers = [("content-type", "application/problem+json"), ("content-language", "en")]
     if policy.docs_url:
@@ -151,9 +154,8 @@ def unreadable(policy: Policy) -> Reply:
 
 
 def refusal(policy: Policy, error: LeaseError) -> Reply | None:
-    """The answer to a request whose lease could not be taken, because of ``error``;
-    None when the request should go through unguarded (``fail_open``, and leasekeeper
-    unavailable or answering as it never should)."""
+    """The answer to a request whose lease ``error`` refused; None when it should run
+    unguarded (``fail_open`` and leasekeeper unavailable or misbehaving)."""
     if isinstance(error, LeaseHeld):
         return in_flight(policy)
     if isinstance(error, FingerprintConflict):
@@ -185,3 +187,14 @@ def refusal(policy: Policy, error: LeaseError) -> Reply | None:
         "Retry after the Retry-After delay.",
         [("retry-after", str(retry_after))],
     )
+
+
+def lease_refused(policy: Policy, error: LeaseError) -> Reply | None:
+    """``refusal``, with a WARNING when the request goes through unguarded or the
+    service refused the key."""
+    reply = refusal(policy, error)
+    if reply is None:
+        log.warning("leasekeeper is unavailable (%s): the request runs unguarded", error.error)
+    elif reply.status == 400:
+        log.warning("leasekeeper refused an Idempotency-Key: %s", error.error)
+    return reply

@@ -1,8 +1,7 @@
 """A response encoded for storage with leasekeeper's ``complete``, and decoded for a replay.
 
-A stored response is one JSON object whose field names are all this module's own, so
-the service's redaction (any field named like ``token`` or ``cookie``) never touches
-it; headers go in a list of ``[name, value]`` pairs, which it does not rewrite::
+Field names are this module's own, so the service's redaction never touches them;
+headers are ``[name, value]`` pairs, which it does not rewrite::
 
     {"http_response": 1, "status": 201,
      "headers": [["content-type", "application/json"], ["location", "/orders/7"]],
@@ -17,11 +16,12 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import logging
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from leasekeeper import RateLimited, RequestTimeout, ServerError
-from leasekeeper.web._problems import Reply, problem
+from leasekeeper.web._problems import Reply, problem, unreadable
 
 if TYPE_CHECKING:
     from leasekeeper.web._policy import Policy
@@ -37,10 +37,13 @@ __all__ = [
     "ResponseRecorder",
     "UnreadableResult",
     "replay",
+    "replay_or_unreadable",
     "result_size",
     "results_to_store",
     "stored_result",
 ]
+
+log = logging.getLogger("leasekeeper.web")
 
 #: The header every replayed response carries (Stripe's name for it).
 REPLAYED = ("idempotent-replayed", "true")
@@ -147,9 +150,8 @@ def stored_result(
 def results_to_store(
     policy: Policy, status: int, headers: list[tuple[str, str]], body: bytes | None
 ) -> Iterator[dict[str, Any]]:
-    """What to ``complete`` with, in order, while the service refuses each as too large
-    (its limit may be set below ours): the response, then its status and headers with
-    the body omitted, then its status alone."""
+    """What to ``complete`` with, each tried while the previous is refused as too large:
+    the response, then without its body, then its status alone."""
     yield stored_result(policy, status, headers, body)
     if body is not None:
         yield stored_result(policy, status, headers, None)
@@ -157,8 +159,7 @@ def results_to_store(
 
 
 #: A ``complete`` refused with one of these may have stored the result or not: it is tried
-#: again after each of ``COMPLETE_RETRY_DELAYS`` (the client then asks the service whether
-#: its earlier attempt stored it).
+#: again after each of ``COMPLETE_RETRY_DELAYS``.
 UNSURE_COMPLETE = (ServerError, RateLimited, RequestTimeout)
 COMPLETE_RETRY_DELAYS = (0.25, 1.0)
 #: WARNINGs of a response sent but not stored, with the lease's fencing token (not the key).
@@ -179,9 +180,8 @@ def result_size(result: Any) -> int:
 
 
 def replay(policy: Policy, result: Any) -> Reply:
-    """The stored response as sent again, with ``Idempotent-Replayed: true``; a body that
-    was not kept becomes a problem body saying so. ``UnreadableResult`` if ``result``
-    is not one ``stored_result`` made."""
+    """The stored response with ``Idempotent-Replayed: true`` (a body not kept: a problem
+    body saying so); ``UnreadableResult`` if ``result`` is not one ``stored_result`` made."""
     if not (
         isinstance(result, dict)
         and result.get(_RESULT_TAG) == 1
@@ -220,3 +220,12 @@ def replay(policy: Policy, result: Any) -> Reply:
         except binascii.Error:
             raise UnreadableResult("the stored body is not base64") from None
     return Reply(status, [*headers, REPLAYED], body)
+
+
+def replay_or_unreadable(policy: Policy, result: Any) -> Reply:
+    """``replay``, or the 500 (logged as an ERROR) for a result it cannot read."""
+    try:
+        return replay(policy, result)
+    except UnreadableResult:
+        log.error("the result stored for an Idempotency-Key is not a stored response")
+        return unreadable(policy)

@@ -12,31 +12,27 @@ import io
 import logging
 import sys
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Unpack
 from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from leasekeeper import LeaseError, LeaseLost, PayloadTooLarge
 from leasekeeper.client import HeldLease, LeaseClient
-from leasekeeper.web._policy import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_METHODS, Policy
-from leasekeeper.web._problems import Reply, body_too_large, refusal, status_line, unreadable
+from leasekeeper.web._policy import Policy, PolicyOptions
+from leasekeeper.web._problems import Reply, body_too_large, lease_refused, status_line
 from leasekeeper.web._request import (
-    Fingerprint,
     IdempotentRequest,
-    KeyScope,
     RequestLease,
     read_key,
 )
 from leasekeeper.web._stored import (
     COMPLETE_RETRY_DELAYS,
-    DEFAULT_STORED_HEADERS,
     LOST_BEFORE_STORED,
     NOT_STORED,
     UNSURE_COMPLETE,
     ResponseRecorder,
-    UnreadableResult,
-    replay,
+    replay_or_unreadable,
     results_to_store,
 )
 
@@ -70,35 +66,10 @@ class WSGIIdempotencyMiddleware:
         service: str | LeaseClient,
         *,
         namespace: str | None,
-        methods: Iterable[str] = DEFAULT_METHODS,
-        paths: Iterable[str] | Callable[[str], bool] | None = None,
-        required: bool = False,
-        ttl: int = 30,
-        stored_statuses: Collection[int] | Callable[[int], bool] | None = None,
-        wait: float = 0.0,
-        fail_open: bool = False,
-        fingerprint: Fingerprint | None = None,
-        key_scope: KeyScope | None = None,
-        stored_headers: Iterable[str] = DEFAULT_STORED_HEADERS,
-        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-        docs_url: str | None = None,
+        **options: Unpack[PolicyOptions],
     ) -> None:
         self.app = app
-        self.policy = Policy.build(
-            namespace=namespace,
-            methods=methods,
-            paths=paths,
-            required=required,
-            ttl=ttl,
-            stored_statuses=stored_statuses,
-            wait=wait,
-            fail_open=fail_open,
-            fingerprint=fingerprint,
-            key_scope=key_scope,
-            stored_headers=stored_headers,
-            max_request_bytes=max_request_bytes,
-            docs_url=docs_url,
-        )
+        self.policy = Policy.build(namespace=namespace, **options)
         if isinstance(service, LeaseClient):
             self._owned = False
             self._lease_client = service
@@ -159,18 +130,13 @@ class WSGIIdempotencyMiddleware:
                 )
             )
         except LeaseError as error:
-            reply = refusal(policy, error)
+            reply = lease_refused(policy, error)
             if reply is None:
-                log.warning(
-                    "leasekeeper is unavailable (%s): the request runs unguarded", error.error
-                )
                 environ[ENVIRON_KEY] = None
                 return self.app(environ, start_response)
-            if reply.status == 400:
-                log.warning("leasekeeper refused an Idempotency-Key: %s", error.error)
             return _reply(start_response, reply)
         if lease.completed:
-            return _reply(start_response, _replay(policy, lease.result))
+            return _reply(start_response, replay_or_unreadable(policy, lease.result))
         environ[ENVIRON_KEY] = RequestLease(lease)
         try:
             return _Exchange(policy, lease, start_response, stack).run(self.app, environ)
@@ -222,14 +188,6 @@ def _read_body(environ: Environ, limit: int) -> bytes:
             raise _BodyTooLarge
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _replay(policy: Policy, result: Any) -> Reply:
-    try:
-        return replay(policy, result)
-    except UnreadableResult:
-        log.error("the result stored for an Idempotency-Key is not a stored response")
-        return unreadable(policy)
 
 
 def _reply(start_response: StartResponse, reply: Reply) -> list[bytes]:
