@@ -491,10 +491,12 @@ def test_run_replays_a_stored_status_of_255(cli: Cli) -> None:
 
 
 def test_run_without_the_command_starting(cli: Cli) -> None:
-    """A command that cannot start exits 127 and releases the lease."""
-    result = cli("run", "--key", "x", "--", "/nonexistent/command")
+    """A command that cannot start exits 127, names the command, and releases the lease."""
+    result = cli("run", "--key", "x", "--", "/nonexistent/command", "arg")
     assert result.exit_code == 127
-    assert "cannot run the command" in result.stderr
+    assert json.loads(result.stderr)["error"] == (
+        'cannot run "/nonexistent/command": No such file or directory'
+    )
     assert cli("acquire", "--key", "x").exit_code == 0
 
 

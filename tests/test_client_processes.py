@@ -108,6 +108,32 @@ def test_many_processes_run_the_job_exactly_once(server: str, tmp_path: Path) ->
     assert all(err == b"" for _, err in outputs)  # quiet in pipes
 
 
+def test_first_run_errors_name_the_url_and_the_command(server: str, tmp_path: Path) -> None:
+    """No service at the URL: the error names the URL tried, never its password (exit 14);
+    a command that does not exist: run names it (exit 127)."""
+    port = free_port()
+    down = subprocess.run(
+        [LEASEKEEPER, "run", "--key", "nightly-report", "--", "true"],
+        env=cli_env(f"http://cron:hunter2@127.0.0.1:{port}"),
+        capture_output=True,
+    )
+    assert down.returncode == 14, down
+    error = orjson.loads(down.stderr)["error"]
+    assert error == (
+        f"Could not reach the lease service at http://127.0.0.1:{port}"
+        "/services/v1/lease (ConnectError)"
+    )
+    assert b"hunter2" not in down.stdout + down.stderr
+    missing = subprocess.run(
+        [LEASEKEEPER, "run", "--key", "nightly-report", "--", "nonexistent-cmd"],
+        env=cli_env(server, LEASEKEEPER_NAMESPACE=mint(server)),
+        capture_output=True,
+    )
+    assert missing.returncode == 127, missing
+    error = orjson.loads(missing.stderr)["error"]
+    assert error == 'cannot run "nonexistent-cmd": No such file or directory'
+
+
 def test_commands_started_with_a_standard_stream_closed(server: str, tmp_path: Path) -> None:
     """Started with stdout closed (``>&-``), where Python has no stream at all, acquire
     says it cannot write the output and releases the lease whose owner token nobody got

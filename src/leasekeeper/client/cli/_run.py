@@ -349,7 +349,7 @@ def _run_held(
         try:
             process = subprocess.Popen(command, env=child_env, process_group=0)  # noqa: S603
         except OSError as exc:
-            why = f"cannot run the command: {exc.strerror}"
+            why = f'cannot run "{command[0]}": {exc.strerror}'
             report({"ok": False, "status": "error", "error": why})
             return EXIT_NOT_STARTED
         started.append(process)  # from here the handler passes signals on itself
