@@ -518,16 +518,17 @@ def test_run_options_that_store_need_complete(cli: Cli, flag: str) -> None:
     [
         ('{"rows": 3, "file": "r.csv"}\n', {"rows": 3, "file": "r.csv"}),
         ("report sent to 2 people\nété\n", "report sent to 2 people\nété\n"),
+        ('"quoted"\n', '"quoted"\n'),
         ("", ""),
     ],
-    ids=["json", "text", "nothing"],
+    ids=["json", "text", "json-string", "nothing"],
 )
 def test_run_store_output_stores_stdout_and_later_runs_print_it(
     cli: Cli, printed: str, stored: Any, tmp_path: Path
 ) -> None:
     """--store-output passes the command's stdout through and stores it in the result
-    (JSON when it parses, else text); a later run prints it on stdout, its own report
-    on stderr, and exits 0."""
+    (JSON when it parses, else text, a JSON string too); a later run prints it on
+    stdout, its own report on stderr, and exits 0."""
     out = tmp_path / "out"
     out.write_text(printed, encoding="utf-8")
     job = ["run", "--key", "report", "--complete", "--store-output", "--", "cat", str(out)]

@@ -265,16 +265,19 @@ class _Tee:
         self.thread.join(_OUTPUT_DRAIN_SECONDS)
 
     def output(self) -> Any:
-        """What the command printed: the JSON value when it parses, else the text (UTF-8,
-        any byte that is not replaced by U+FFFD); None when over ``_OUTPUT_KEPT`` bytes."""
+        """What the command printed: the JSON value when it parses (a JSON string stays
+        text, so that it is printed again as it was), else the text (UTF-8, any byte that
+        is not replaced by U+FFFD); None when over ``_OUTPUT_KEPT`` bytes."""
         self.drain()
         if self.size > _OUTPUT_KEPT:
             return None
         data = bytes(self._kept)
+        text = data.decode("utf-8", errors="replace")
         try:
-            return decode(data)
+            value = decode(data)
         except ValueError:
-            return data.decode("utf-8", errors="replace")
+            return text
+        return text if isinstance(value, str) else value
 
 
 def _recorded(status: int, tee: _Tee | None) -> dict[str, Any]:
