@@ -466,13 +466,15 @@ def test_run_holds_the_key_for_30_seconds_by_default(
 
 
 def test_run_complete_records_and_later_runs_skip(cli: Cli, tmp_path: Path) -> None:
-    """With --complete the status is stored; the next run skips and reports it."""
+    """With --complete --record-failures a failed status is stored; the next run skips and
+    reports it."""
     log = tmp_path / "ran"
     job = ["sh", "-c", f"echo ran >> {log}; exit 4"]
-    first = cli("run", "--key", "nightly", "--fingerprint", "v1", "--complete", "--", *job)
+    flags = ["--key", "nightly", "--fingerprint", "v1", "--complete", "--record-failures"]
+    first = cli("run", *flags, "--", *job)
     assert first.exit_code == 4
     cli.terminal = True
-    second = cli("run", "--key", "nightly", "--fingerprint", "v1", "--complete", "--", *job)
+    second = cli("run", *flags, "--", *job)
     assert second.exit_code == 4
     report = cli.json(second)
     assert report["skipped"] is True
@@ -481,9 +483,106 @@ def test_run_complete_records_and_later_runs_skip(cli: Cli, tmp_path: Path) -> N
     assert log.read_text() == "ran\n"
 
 
+def test_run_complete_records_a_success_and_releases_after_a_failure(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """--complete alone records exit 0 only: a failure is not stored and the key is
+    released, so the next run runs the command again; once it succeeds, runs skip it."""
+    log = tmp_path / "ran"
+    cli.terminal = True
+    failed = cli(
+        "run", "--key", "flaky", "--complete", "--", "sh", "-c", f"echo 1 >> {log}; exit 3"
+    )
+    assert failed.exit_code == 3, failed.output
+    assert "exit code 3 is not recorded (no --record-failures); key released" in failed.stderr
+    assert failed.stdout == ""
+    done = cli("run", "--key", "flaky", "--complete", "--", "sh", "-c", f"echo 2 >> {log}")
+    assert done.exit_code == 0, done.output
+    assert "recorded exit code 0" in done.stderr
+    again = cli("run", "--key", "flaky", "--complete", "--", "sh", "-c", f"echo 3 >> {log}")
+    assert again.exit_code == 0
+    assert cli.json(again)["result"] == {"exit_code": 0}
+    assert log.read_text() == "1\n2\n"
+
+
+@pytest.mark.parametrize("flag", ["--record-failures", "--store-output"])
+def test_run_options_that_store_need_complete(cli: Cli, flag: str) -> None:
+    """--record-failures and --store-output without --complete are a usage error."""
+    result = cli("run", "--key", "k", flag, "--", "true")
+    assert result.exit_code == 2
+    assert f"{flag} needs --complete" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("printed", "stored"),
+    [
+        ('{"rows": 3, "file": "r.csv"}\n', {"rows": 3, "file": "r.csv"}),
+        ("report sent to 2 people\nété\n", "report sent to 2 people\nété\n"),
+        ('"quoted"\n', '"quoted"\n'),
+        ("", ""),
+    ],
+    ids=["json", "text", "json-string", "nothing"],
+)
+def test_run_store_output_stores_stdout_and_later_runs_print_it(
+    cli: Cli, printed: str, stored: Any, tmp_path: Path
+) -> None:
+    """--store-output passes the command's stdout through and stores it in the result
+    (JSON when it parses, else text, a JSON string too); a later run prints it on
+    stdout, its own report on stderr, and exits 0."""
+    out = tmp_path / "out"
+    out.write_text(printed, encoding="utf-8")
+    job = ["run", "--key", "report", "--complete", "--store-output", "--", "cat", str(out)]
+    first = cli(*job)
+    assert first.exit_code == 0, first.output
+    assert first.stdout == printed  # seen as it ran
+    replay = cli("acquire", "--key", "report")
+    assert replay.exit_code == EXIT_COMPLETED
+    assert cli.json(replay)["result"] == {"exit_code": 0, "output": stored}
+    again = cli("run", "--key", "report", "--complete", "--", "false")
+    assert again.exit_code == 0, again.output
+    expected = printed if isinstance(stored, str) else json.dumps(stored, separators=(",", ":"))
+    assert again.stdout.rstrip("\n") == expected.rstrip("\n")
+    report = json.loads(again.stderr)
+    assert report["skipped"] is True and report["result"]["output"] == stored
+
+
+def test_run_store_output_over_the_limit_keeps_the_exit_code(cli: Cli, tmp_path: Path) -> None:
+    """Output that would make the result larger than 32,768 bytes is not stored: the exit
+    code is, marked "output_too_large" with the output's size, and a WARNING says so; the
+    output still reaches stdout, and a later run prints the stored result as JSON."""
+    out = tmp_path / "out"
+    out.write_bytes(b"x" * 40_000)
+    first = cli("run", "--key", "big", "--complete", "--store-output", "--", "cat", str(out))
+    assert first.exit_code == 0, first.output
+    assert first.stdout == "x" * 40_000
+    assert "over the result's 32768-byte limit: only its exit code is stored" in first.stderr
+    again = cli("run", "--key", "big", "--complete", "--", "true")
+    assert again.exit_code == 0
+    assert cli.json(again)["result"] == {
+        "exit_code": 0,
+        "output_too_large": True,
+        "output_bytes": 40_000,
+    }
+
+
+def test_run_store_output_with_record_failures_stores_the_failure_and_its_output(
+    cli: Cli,
+) -> None:
+    """--record-failures with --store-output: a failure is stored with what it printed,
+    and a later run prints that output and exits with the stored status."""
+    job = ["sh", "-c", "echo 'disk full'; exit 5"]
+    flags = ["--key", "f", "--complete", "--record-failures", "--store-output"]
+    assert cli("run", *flags, "--", *job).exit_code == 5
+    again = cli("run", *flags, "--", "true")
+    assert again.exit_code == 5
+    assert again.stdout == "disk full\n"
+
+
 def test_run_replays_a_stored_status_of_255(cli: Cli) -> None:
     """255, the highest status a command can exit with, is stored and replayed as it is."""
-    first = cli("run", "--key", "top", "--complete", "--", "sh", "-c", "exit 255")
+    first = cli(
+        "run", "--key", "top", "--complete", "--record-failures", "--", "sh", "-c", "exit 255"
+    )
     assert first.exit_code == 255, first.output
     again = cli("run", "--key", "top", "--complete", "--", "sh", "-c", "exit 0")
     assert again.exit_code == 255, again.output
@@ -491,10 +590,12 @@ def test_run_replays_a_stored_status_of_255(cli: Cli) -> None:
 
 
 def test_run_without_the_command_starting(cli: Cli) -> None:
-    """A command that cannot start exits 127 and releases the lease."""
-    result = cli("run", "--key", "x", "--", "/nonexistent/command")
+    """A command that cannot start exits 127, names the command, and releases the lease."""
+    result = cli("run", "--key", "x", "--", "/nonexistent/command", "arg")
     assert result.exit_code == 127
-    assert "cannot run the command" in result.stderr
+    assert json.loads(result.stderr)["error"] == (
+        'cannot run "/nonexistent/command": No such file or directory'
+    )
     assert cli("acquire", "--key", "x").exit_code == 0
 
 
@@ -706,7 +807,8 @@ def test_a_request_signal_before_the_command_starts_is_dropped(
             os.kill(os.getpid(), signal.SIGUSR1)
 
     monkeypatch.setattr(Progress, "say", say)
-    result = cli("run", "--key", "usr", "--complete", "--", "sh", "-c", "sleep 0.2; exit 3")
+    job = ["sh", "-c", "sleep 0.2; exit 3"]
+    result = cli("run", "--key", "usr", "--complete", "--record-failures", "--", *job)
     assert result.exit_code == 3, result.output
     recorded = cli("acquire", "--key", "usr")
     assert recorded.exit_code == EXIT_COMPLETED
@@ -732,7 +834,7 @@ def test_sigquit_is_passed_on_and_usr1_does_not_cancel_recording(cli: Cli, tmp_p
     sender = _after_ready(ready, signal.SIGUSR1)
     script = (f"trap 'echo usr1 > {got}' USR1; touch {ready}; "
               f"while [ ! -s {got} ]; do sleep 0.05; done; exit 5")  # fmt: skip
-    result = cli("run", "--key", "u", "--complete", "--", "sh", "-c", script)
+    result = cli("run", "--key", "u", "--complete", "--record-failures", "--", "sh", "-c", script)
     sender.join()
     assert result.exit_code == 5, result.output
     recorded = cli("acquire", "--key", "u")
@@ -902,7 +1004,7 @@ def test_run_complete_is_retried_and_a_failure_still_says_the_status(cli: Cli) -
     """Recording a status refused for a passing reason (408) or by a 500 is tried again;
     one that cannot be stored is reported with the command's status, which is not lost."""
     _failing_complete(cli, 408, 1)
-    result = cli("run", "--key", "r", "--complete", "--", "sh", "-c", "exit 6")
+    result = cli("run", "--key", "r", "--complete", "--record-failures", "--", "sh", "-c", "exit 6")
     assert result.exit_code == 6, result.output
     assert "storing the result failed (timeout" in result.stderr
     assert cli("acquire", "--key", "r").exit_code == EXIT_COMPLETED
@@ -914,7 +1016,7 @@ def test_run_complete_is_retried_and_a_failure_still_says_the_status(cli: Cli) -
     assert cli("acquire", "--key", "r500").exit_code == EXIT_COMPLETED
 
     _failing_complete(cli, 400, 1)
-    result = cli("run", "--key", "s", "--complete", "--", "sh", "-c", "exit 7")
+    result = cli("run", "--key", "s", "--complete", "--record-failures", "--", "sh", "-c", "exit 7")
     assert result.exit_code == EXIT_INVALID
     report = orjson.loads(result.stderr.strip().splitlines()[-1])
     assert report["status"] == "invalid" and report["exit_code"] == 7
@@ -929,7 +1031,9 @@ def test_run_complete_whose_answer_was_lost_still_records_and_passes_the_status(
     cli.client = lambda url=BASE_URL, timeout=10.0: LeaseClient(  # type: ignore[method-assign]
         BASE_URL, transport=bridge(cli.api, fault), timeout=timeout
     )
-    result = cli("run", "--key", "lostanswer", "--complete", "--", "sh", "-c", "exit 6")
+    result = cli(
+        "run", "--key", "lostanswer", "--complete", "--record-failures", "--", "sh", "-c", "exit 6"
+    )
     assert result.exit_code == 6, result.output
     recorded = cli("acquire", "--key", "lostanswer")
     assert recorded.exit_code == EXIT_COMPLETED

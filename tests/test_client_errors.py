@@ -61,6 +61,17 @@ SERVICE_ERRORS: list[LeaseError] = [
 ]
 
 
+def test_lease_held_says_the_wait_and_the_fence_but_its_body_does_not_change() -> None:
+    """str() of LeaseHeld carries the wait and the holder's fence (when the body had one);
+    the body's ``error`` is the service's message alone."""
+    body = {"ok": False, "status": "held", "error": "Lease is held", "fencing_token": 7}
+    held = error_from_body({**body, "retry_after_seconds": 12})
+    assert str(held) == "Lease is held; retry after 12 s (fencing token 7)"
+    assert held.body()["error"] == "Lease is held"
+    unknown = error_from_body({"ok": False, "status": "held"}, retry_after=5)
+    assert str(unknown) == "Lease is held; retry after 5 s"
+
+
 @pytest.mark.parametrize("error", SERVICE_ERRORS, ids=lambda e: e.status)
 def test_every_service_error_round_trips_through_its_body(error: LeaseError) -> None:
     """error_from_body(error.body()) rebuilds the same class with the same body."""

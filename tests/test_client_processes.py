@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -106,6 +107,59 @@ def test_many_processes_run_the_job_exactly_once(server: str, tmp_path: Path) ->
         assert report["status"] == "completed"
         assert report["result"] == {"exit_code": 0}
     assert all(err == b"" for _, err in outputs)  # quiet in pipes
+
+
+def test_first_run_errors_name_the_url_and_the_command(server: str, tmp_path: Path) -> None:
+    """No service at the URL: the error names the URL tried, never its password (exit 14);
+    a command that does not exist: run names it (exit 127)."""
+    port = free_port()
+    down = subprocess.run(
+        [LEASEKEEPER, "run", "--key", "nightly-report", "--", "true"],
+        env=cli_env(f"http://cron:hunter2@127.0.0.1:{port}"),
+        capture_output=True,
+    )
+    assert down.returncode == 14, down
+    error = orjson.loads(down.stderr)["error"]
+    assert error == (
+        f"Could not reach the lease service at http://127.0.0.1:{port}"
+        "/services/v1/lease (ConnectError)"
+    )
+    assert b"hunter2" not in down.stdout + down.stderr
+    missing = subprocess.run(
+        [LEASEKEEPER, "run", "--key", "nightly-report", "--", "nonexistent-cmd"],
+        env=cli_env(server, LEASEKEEPER_NAMESPACE=mint(server)),
+        capture_output=True,
+    )
+    assert missing.returncode == 127, missing
+    error = orjson.loads(missing.stderr)["error"]
+    assert error == 'cannot run "nonexistent-cmd": No such file or directory'
+
+
+def test_store_output_shows_the_output_as_it_comes_and_later_runs_print_it(
+    server: str, tmp_path: Path
+) -> None:
+    """``run --complete --store-output``: what the command prints reaches run's stdout
+    while the command still runs; a later run (another machine) prints the stored output
+    without running the command, and exits 0."""
+    env = cli_env(server, LEASEKEEPER_NAMESPACE=mint(server))
+    go = tmp_path / "go"
+    script = f"echo started; while [ ! -e {go} ]; do sleep 0.05; done; echo done"
+    command = [LEASEKEEPER, "run", "--key", "teed", "--complete", "--store-output", "--"]
+    process = subprocess.Popen(
+        [*command, "sh", "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert process.stdout is not None
+    readable, _, _ = select.select([process.stdout], [], [], 30)
+    assert readable, "nothing on stdout while the command runs"
+    assert process.stdout.readline() == b"started\n"
+    go.touch()
+    rest, errors = process.communicate(timeout=60)
+    assert process.returncode == 0, errors
+    assert rest == b"done\n"
+    later = subprocess.run([*command, "false"], env=env, capture_output=True, timeout=60)
+    assert later.returncode == 0, later.stderr
+    assert later.stdout == b"started\ndone\n"
+    assert orjson.loads(later.stderr)["skipped"] is True
 
 
 def test_commands_started_with_a_standard_stream_closed(server: str, tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import socket
 import threading
 import time
 import uuid
@@ -261,6 +262,20 @@ def test_no_answer_is_service_unreachable(api: Any, fake_time: FakeTime) -> None
     assert isinstance(raised.value, ServiceUnavailable)
     assert raised.value.status == "unreachable"
     assert isinstance(raised.value.__cause__, httpx.ConnectError)
+
+
+def test_unreachable_names_the_url_tried_without_its_password() -> None:
+    """A refused connection's message names the URL tried, its user and password left out."""
+    with socket.socket() as sock:  # bound, not listening: connections to it are refused
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        client = LeaseClient(f"http://alice:hunter2@127.0.0.1:{port}")
+        with client, pytest.raises(ServiceUnreachable) as raised:
+            client.create_namespace()
+    message = str(raised.value)
+    tried = f"http://127.0.0.1:{port}/services/v1/lease/namespace"
+    assert message == f"Could not reach the lease service at {tried} (ConnectError)"
+    assert raised.value.body()["error"] == message
 
 
 def test_injected_httpx_client_and_url_with_base_path(api: Any) -> None:

@@ -206,7 +206,8 @@ def test_the_crontab_line_runs_the_job_once_from_two_machines(
     server: Server, tmp_path: Path
 ) -> None:
     """Parsed as cron parses it and run with cron's environment on two machines at once:
-    the job runs on one; the other waits, then prints the stored status, skipped."""
+    the job runs on one; the other waits, then prints the job's stored output and the
+    stored status, skipped."""
     (line,) = one("crontab").splitlines()
     command, stdin = cron_command(line)
     assert stdin is None  # every % escaped
@@ -234,11 +235,13 @@ def test_the_crontab_line_runs_the_job_once_from_two_machines(
             )
         )
     assert [machine.wait(120) for machine in machines] == [0, 0]
-    texts = sorted((log.read_text() for log in logs), key=lambda text: "report for" not in text)
+    texts = sorted((log.read_text() for log in logs), key=lambda text: '"skipped"' in text)
     ran, skipped = texts
     assert re.fullmatch(r"report for \d{4}-\d\d-\d\d by .+, fencing token \d+\n", ran), ran
-    stored = json.loads(skipped.splitlines()[-1])
-    assert stored["skipped"] is True and stored["result"] == {"exit_code": 0}
+    printed, report = skipped.splitlines(keepends=True)
+    assert printed == ran  # the job's output, stored by --store-output
+    stored = json.loads(report)
+    assert stored["skipped"] is True and stored["result"] == {"exit_code": 0, "output": ran}
 
 
 # -- MCP client configurations ------------------------------------------------------------------

@@ -348,7 +348,13 @@ def test_serve_logs_an_address_a_browser_or_curl_can_take(
     from leasekeeper import _server_cli, cli
 
     served: list[tuple[str, int]] = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **_: served.append((host, port)))
+
+    def run(server: uvicorn.Server, sockets: list[object]) -> None:
+        served.append((server.config.host, server.config.port))
+        server.started = True
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    monkeypatch.setattr(_server_cli, "_listen", lambda host, port, address: [])
     monkeypatch.setattr(_server_cli, "_tune_gc", lambda: None)
     # keeps caplog's handler
     monkeypatch.setattr(_server_cli, "configure_logging", lambda level: None)
@@ -358,4 +364,5 @@ def test_serve_logs_an_address_a_browser_or_curl_can_take(
         )
     assert done.exit_code == 0, done.output
     assert served == [(host, 8799)]
-    assert f"leasekeeper starting on {shown} (store scheme memory)" in caplog.text
+    stored = "memory (nothing is kept after the process ends)"
+    assert f"leasekeeper starting on {shown} (store: {stored})" in caplog.text

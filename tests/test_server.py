@@ -1082,3 +1082,54 @@ def test_a_stop_is_not_held_up_by_a_body_that_stopped_coming(tmp_path: Path) -> 
         assert answer.startswith(b"HTTP/1.1 408 ") and took < 4.5
     finally:
         server.stop()
+
+
+def test_serve_on_a_port_in_use_says_so_before_any_startup(tmp_path: Path) -> None:
+    """A port another process listens on: one ERROR line naming the address, exit 1,
+    and nothing logged as started (the application's startup does not even run)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "leasekeeper.cli", "serve", "--port", str(port),
+             "--store", f"sqlite:///{tmp_path}/lk.db"],
+            env={**os.environ, "LEASEKEEPER_LOG_LEVEL": "INFO"}, capture_output=True, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    records = [json.loads(line) for line in done.stderr.decode().splitlines()]
+    assert [(r["level"], r["message"]) for r in records] == [
+        (
+            "ERROR",
+            f"cannot listen on http://127.0.0.1:{port}: Address already in use "
+            "(another server is listening there; choose a port with --port)",
+        )
+    ]
+    assert not (tmp_path / "lk.db").exists()  # no store opened either
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_serve_logs_the_store_in_use_at_every_start(tmp_path: Path, kind: str) -> None:
+    """Every start logs the store: the SQLite file's whole path, or PostgreSQL's database,
+    host and port, never the URL's password or user."""
+    with store_target(kind, tmp_path) as target:
+        url = target.url
+        if kind == "postgres":  # trust authentication: the password is never asked for
+            url = url.replace("://postgres@", "://postgres:hunter2@", 1)
+            assert "hunter2" in url
+        for _ in range(2):  # the first start creates the store, the second finds it there
+            with running_server(url, tmp_path / "server.log"):
+                pass
+    text = (tmp_path / "server.log").read_text()
+    starts = [
+        record["message"]
+        for record in map(json.loads, text.splitlines())
+        if record["message"].startswith("leasekeeper starting on")
+    ]
+    if kind == "sqlite":
+        where = f"SQLite file {tmp_path.resolve() / 'run.db'}"
+    else:
+        where = "PostgreSQL database test on 127.0.0.1 port 5432"
+    assert len(starts) == 2, starts
+    assert all(start.endswith(f"(store: {where})") for start in starts), starts
+    assert "hunter2" not in text

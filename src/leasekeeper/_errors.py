@@ -182,6 +182,13 @@ class LeaseHeld(LeaseConflict):
     def retry_after(self) -> int:
         return self.retry_after_seconds
 
+    def __str__(self) -> str:
+        """The message with the wait and the holder's fencing token (when known), as
+        ``Lease is held; retry after 12 s (fencing token 7)``; the body's ``error``
+        stays the message alone."""
+        fence = f" (fencing token {self.fencing_token})" if self.fencing_token > 0 else ""
+        return f"{self.error}; retry after {self.retry_after_seconds} s{fence}"
+
     def body(self) -> dict[str, Any]:
         return {
             **super().body(),

@@ -6,9 +6,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import gc
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -32,6 +35,7 @@ from leasekeeper.store import (
     MAX_RAISED_FENCE,
     Durable,
     StoreURLError,
+    describe_store,
     open_store,
 )
 
@@ -96,6 +100,11 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
     from leasekeeper.mcp import quiet_sdk_logs
 
     settings = _settings(host=host, port=port, store=store)
+    address = "http://{}:{}".format(
+        f"[{settings.host}]" if ":" in settings.host else settings.host,  # an IPv6 address
+        settings.port,
+    )
+    listening = _listen(settings.host, settings.port, address)  # before anything starts
     service = _service(settings)
     quiet_sdk_logs()
     app = serve_app(service, settings)
@@ -105,14 +114,39 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
     protocol = guard_protocol(
         uvicorn_protocol(), settings.request_timeout_seconds, on_timeout=slow_headers.inc
     )
-    log.info(
-        "leasekeeper starting on http://%s:%d (store scheme %s)",
-        f"[{settings.host}]" if ":" in settings.host else settings.host,  # an IPv6 address
-        settings.port,
-        settings.store.partition(":")[0],
-    )
+    log.info("leasekeeper starting on %s (store: %s)", address, describe_store(service.store))
     _tune_gc()
-    uvicorn.run(app, host=settings.host, port=settings.port, **uvicorn_options(settings, protocol))
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, **uvicorn_options(settings, protocol)
+    )
+    server = uvicorn.Server(config)
+    with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run does
+        server.run(sockets=listening)
+    if not server.started:  # the application's startup failed and said why: uvicorn's 3
+        sys.exit(3)
+
+
+def _listen(host: str, port: int, address: str) -> list[socket.socket]:
+    """Sockets bound to every address ``host`` resolves to (as uvicorn would bind them),
+    before the application starts: a port in use, or an address that is not this
+    machine's, is one line and exit 1, rather than a startup completed and then the
+    error. uvicorn listens on them."""
+    sockets: list[socket.socket] = []
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, *_, where in dict.fromkeys(found):
+            sockets.append(socket.create_server(where, family=family))
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        hint = ""
+        if exc.errno == errno.EADDRINUSE:
+            hint = " (another server is listening there; choose a port with --port)"
+        # Not create_server's message, which repeats the address as a Python tuple.
+        why = os.strerror(exc.errno) if exc.errno and exc.errno > 0 else exc.strerror or exc
+        log.error("cannot listen on %s: %s%s", address, why, hint)
+        sys.exit(1)
+    return sockets
 
 
 def serve_app(
@@ -202,7 +236,7 @@ def mcp_command(store: str | None) -> None:
         log.error("MCP over stdio needs stdin and stdout; one of them is closed")
         sys.exit(1)
     service = _service(settings)
-    log.info("leasekeeper MCP on stdio (store scheme %s)", settings.store.partition(":")[0])
+    log.info("leasekeeper MCP on stdio (store: %s)", describe_store(service.store))
     try:
         asyncio.run(
             serve_stdio(

@@ -282,5 +282,12 @@ def read_response(response: httpx.Response, content: bytes) -> dict[str, Any]:
 
 def unreachable(exc: httpx.RequestError) -> LeaseError:
     """The error for a request that got no answer, or none that could be read (a body
-    that does not decode, endless redirects); the URL stays out of the message."""
-    return ServiceUnreachable(f"Could not reach the lease service ({type(exc).__name__})")
+    that does not decode, endless redirects): its message names the URL tried, without
+    the user name, password, query or fragment it may have held."""
+    try:
+        tried = exc.request.url.copy_with(userinfo=b"", query=None, fragment=None)
+    except RuntimeError:  # an error raised without its request: no URL to name
+        return ServiceUnreachable(f"Could not reach the lease service ({type(exc).__name__})")
+    return ServiceUnreachable(
+        f"Could not reach the lease service at {tried} ({type(exc).__name__})"
+    )

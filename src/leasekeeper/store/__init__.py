@@ -37,6 +37,7 @@ __all__ = [
     "Store",
     "StoreURLError",
     "decide_with_fence",
+    "describe_store",
     "open_store",
 ]
 
@@ -70,6 +71,14 @@ def open_store(
     raise StoreURLError(
         "unknown store URL scheme; use sqlite:///path.db, postgresql://… or memory://"
     )
+
+
+def describe_store(store: Store) -> str:
+    """The store in use, for the line a server logs at every start (``Durable.described``);
+    never a password or a user name."""
+    if isinstance(store, Durable):
+        return store.described
+    return "memory (nothing is kept after the process ends)"
 
 
 def _sqlite_path(url: str) -> str:

@@ -102,6 +102,12 @@ class Durable(Protocol):
         """Where the store is, after "no leasekeeper store": "at PATH", say."""
         ...
 
+    @property
+    def described(self) -> str:
+        """The store for the line a server logs at every start: "SQLite file PATH", say;
+        never a password or a user name."""
+        ...
+
     async def exists(self) -> bool:
         """Whether leasekeeper's tables are there already, read without creating anything."""
         ...

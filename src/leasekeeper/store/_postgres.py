@@ -26,6 +26,7 @@ from typing import Final, TypeVar
 
 import psycopg
 from psycopg import errors as pg_errors
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from leasekeeper._clock import Clock, elapsed_ns
@@ -219,6 +220,24 @@ class PostgresStore:
     def where(self) -> str:
         """Where the store is, for messages (never the URL, which may hold a password)."""
         return "in that PostgreSQL database and schema (check the URL's search_path)"
+
+    @property
+    def described(self) -> str:
+        """The database, host and port, libpq's defaults (its environment included) for
+        what the URL leaves out; never the user or the password."""
+        given = conninfo_to_dict(self._given_conninfo)
+        defaults = {
+            option.keyword.decode(): option.val.decode()
+            for option in psycopg.pq.Conninfo.get_defaults()
+            if option.val is not None
+        }
+
+        def value(name: str, otherwise: str) -> str:
+            return str(given.get(name) or defaults.get(name) or otherwise)
+
+        database = value("dbname", "(the user's name)")
+        host = value("host", "the local socket")
+        return f"PostgreSQL database {database} on {host} port {value('port', '5432')}"
 
     async def damage(self) -> str | None:
         """None: PostgreSQL checks its own pages; there is no file here to check."""

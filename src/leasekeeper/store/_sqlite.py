@@ -237,6 +237,11 @@ class SqliteStore:
         """Where the store is, for messages."""
         return f"at {self.path}"
 
+    @property
+    def described(self) -> str:
+        """The file, its whole path: a relative one depends on where the server started."""
+        return f"SQLite file {self.path.resolve()}"
+
     async def exists(self) -> bool:
         """Whether the store is there already, read without creating anything
         (``_sqlite_sql.exists``)."""

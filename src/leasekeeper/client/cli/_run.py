@@ -2,8 +2,9 @@
 
 Acquire (or find the stored status and exit with it), start the command in a process
 group of its own (the lease covers the whole group), wait for it or the lease's loss,
-stop what is left of the group, then (``--complete``) store the exit status. Signals
-are passed on to the group; handlers are installed only from the main thread.
+stop what is left of the group, then (``--complete``) store a success, and with
+``--record-failures`` a failure too (``--store-output``: with what the command printed).
+Signals are passed on to the group; handlers are installed only from the main thread.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from typing import Any
 
 import click
 
-from leasekeeper._core.validation import MAX_TTL_SECONDS
+from leasekeeper._core.validation import MAX_RESULT_BYTES, MAX_TTL_SECONDS
 from leasekeeper._errors import LeaseError, LeaseLost
+from leasekeeper.client._http import decode, encode
 from leasekeeper.client._sync import HeldLease, LeaseClient
 from leasekeeper.client.cli._commands import (
     Progress,
@@ -39,6 +41,7 @@ from leasekeeper.client.cli._output import (
     EXIT_LOST,
     EXIT_NOT_STARTED,
     EXIT_OK,
+    OutputLost,
     client_command,
     exit_code,
     fail,
@@ -224,9 +227,93 @@ def _stop(process: subprocess.Popen[bytes], grace: float, terminated: list[float
     return "stopped with SIGTERM"
 
 
-def _recorded(status: int) -> dict[str, Any]:
-    """What ``--complete`` stores for a command that exited with ``status``."""
-    return {"exit_code": status}
+#: The most of the command's stdout ``--store-output`` keeps in memory: past it, the output
+#: is too large to store whatever it holds (pretty-printed JSON may compact below the limit).
+_OUTPUT_KEPT = 1 << 20
+#: Seconds to wait for the end of the command's stdout once its group is gone: a process
+#: outside the group (started with setsid) may hold the pipe open for ever.
+_OUTPUT_DRAIN_SECONDS = 5.0
+
+
+class _Tee:
+    """``--store-output``: copies the command's stdout to ``run``'s own as it comes (so a
+    terminal or a log sees it at once), keeping the first ``_OUTPUT_KEPT`` bytes."""
+
+    def __init__(self, pipe: Any) -> None:
+        self._pipe = pipe
+        self._sink = getattr(sys.stdout, "buffer", None)  # None: started with fd 1 closed
+        self._kept = bytearray()
+        self.size = 0
+        self.thread = threading.Thread(target=self._copy, name="leasekeeper-run-tee", daemon=True)
+        self.thread.start()
+
+    def _copy(self) -> None:
+        with self._pipe:
+            while chunk := self._pipe.read1(65_536):
+                self.size += len(chunk)
+                if len(self._kept) <= _OUTPUT_KEPT:
+                    self._kept += chunk
+                if self._sink is not None:
+                    try:
+                        self._sink.write(chunk)
+                        self._sink.flush()
+                    except (OSError, ValueError):  # a closed pipe: the output is still kept
+                        self._sink = None
+
+    def drain(self) -> None:
+        """Wait (a bounded time) for the rest of the output, so none is lost at exit."""
+        self.thread.join(_OUTPUT_DRAIN_SECONDS)
+
+    def output(self) -> Any:
+        """What the command printed: the JSON value when it parses (a JSON string stays
+        text, so that it is printed again as it was), else the text (UTF-8, any byte that
+        is not replaced by U+FFFD); None when over ``_OUTPUT_KEPT`` bytes."""
+        self.drain()
+        if self.size > _OUTPUT_KEPT:
+            return None
+        data = bytes(self._kept)
+        text = data.decode("utf-8", errors="replace")
+        try:
+            value = decode(data)
+        except ValueError:
+            return text
+        return text if isinstance(value, str) else value
+
+
+def _recorded(status: int, tee: _Tee | None) -> dict[str, Any]:
+    """What ``--complete`` stores for a command that exited with ``status``: with
+    ``--store-output``, its output too, or ``"output_too_large": true`` and its size in
+    bytes when the result would be over the service's 32,768 bytes."""
+    result: dict[str, Any] = {"exit_code": status}
+    if tee is None:
+        return result
+    output = tee.output()
+    if output is not None:
+        stored = {**result, "output": output}
+        if len(encode(stored)) <= MAX_RESULT_BYTES:
+            return stored
+    log.warning(
+        "the command's output (%d bytes) is over the result's %d-byte limit: "
+        "only its exit code is stored",
+        tee.size,
+        MAX_RESULT_BYTES,
+    )
+    return {**result, "output_too_large": True, "output_bytes": tee.size}
+
+
+def _print_output(output: Any) -> None:
+    """A stored output on stdout as the command printed it: text as it is, JSON as one line."""
+    if sys.stdout is None:
+        raise OutputLost("cannot write the output: it is closed")
+    data = output.encode("utf-8") if isinstance(output, str) else encode(output) + b"\n"
+    try:
+        if hasattr(sys.stdout, "buffer"):
+            sys.stdout.buffer.write(data)
+        else:  # a text-only stream put in its place
+            sys.stdout.write(data.decode("utf-8"))
+        sys.stdout.flush()
+    except OSError as error:
+        raise OutputLost(f"cannot write the output: {error}") from None
 
 
 def _stored_status(result: Any) -> int:
@@ -254,7 +341,19 @@ def _stored_status(result: Any) -> int:
     "--complete",
     "record",
     is_flag=True,
-    help="Record the exit status, so later runs with this key and fingerprint are skipped.",
+    help="Record a success (exit 0), so later runs with this key and fingerprint are "
+    "skipped; after a failure the key is released for the next run.",
+)
+@click.option(
+    "--record-failures",
+    is_flag=True,
+    help="With --complete: record a failure too, so later runs skip it as well.",
+)
+@click.option(
+    "--store-output",
+    is_flag=True,
+    help="With --complete: store what the command prints on stdout (still shown as it "
+    "runs) in the result; later runs print it.",
 )
 @click.option(
     "--grace",
@@ -271,17 +370,25 @@ def run_command(command: tuple[str, ...], **options: Any) -> None:
     The command gets LEASEKEEPER_FENCING_TOKEN in its environment and runs in its
     own process group. If the lease is lost, the group gets SIGTERM, then SIGKILL
     after --grace seconds, and run exits 11; what the command leaves running in its
-    group when it exits is stopped the same way. With --complete the exit status is
-    stored as {"exit_code": N}; a later run with the same key and fingerprint does
-    not run the command, prints the stored result on stdout and exits with that
-    status. SIGINT, SIGTERM, SIGHUP and SIGQUIT are passed on to the command, and
-    then its status is not recorded; SIGUSR1 and SIGUSR2 are passed on. Ctrl-Z
-    stops the command with run.
+    group when it exits is stopped the same way.
+
+    With --complete a success is stored as {"exit_code": 0}; a failure is stored
+    only with --record-failures, else the key is released for the next run. A
+    later run with the same key and fingerprint does not run the command: it
+    prints the stored result on stdout (with --store-output, what the command
+    printed) and exits with the stored status.
+
+    SIGINT, SIGTERM, SIGHUP and SIGQUIT are passed on to the command, and then its
+    status is not recorded; SIGUSR1 and SIGUSR2 are passed on. Ctrl-Z stops the
+    command with run.
 
     \b
     leasekeeper run --namespace-file ns.json --key nightly-report --wait 600 \\
         --complete -- ./report.sh
     """
+    for flag in ("record_failures", "store_output"):
+        if options[flag] and not options["record"]:
+            raise click.UsageError(f"--{flag.replace('_', '-')} needs --complete")
     target = read_target(options, with_fingerprint=True)
     progress = Progress(options["progress"], options["wait"])
     wake = threading.Event()
@@ -325,7 +432,12 @@ def _run_held(
     if held.completion is not None:
         stored = _stored_status(held.result)
         progress.say(f"already completed (exit code {stored}); not running the command")
-        print_json({**held.completion.body, "skipped": True})
+        skipped = {**held.completion.body, "skipped": True}
+        if isinstance(held.result, dict) and "output" in held.result:
+            _print_output(held.result["output"])  # stdout is the command's: the report aside
+            report(skipped)
+        else:
+            print_json(skipped)
         return stored
     fence = held.fencing_token
     child_env = {**environ, "LEASEKEEPER_FENCING_TOKEN": str(fence)}
@@ -346,13 +458,17 @@ def _run_held(
         received[:0] = noted  # those that came between the acquire and the handlers
         if received:  # interrupted before the command started: it is not started
             return 128 + received[0]
+        piped = subprocess.PIPE if options["store_output"] else None
         try:
-            process = subprocess.Popen(command, env=child_env, process_group=0)  # noqa: S603
+            process = subprocess.Popen(  # noqa: S603
+                command, env=child_env, process_group=0, stdout=piped
+            )
         except OSError as exc:
-            why = f"cannot run the command: {exc.strerror}"
+            why = f'cannot run "{command[0]}": {exc.strerror}'
             report({"ok": False, "status": "error", "error": why})
             return EXIT_NOT_STARTED
         started.append(process)  # from here the handler passes signals on itself
+        tee = _Tee(process.stdout) if process.stdout is not None else None
         while unsent:  # those that came while it was starting
             _signal_group(process, unsent.pop(0))
 
@@ -364,6 +480,8 @@ def _run_held(
         wake.wait()
         if held.lost.is_set() and process.poll() is None:
             how = _stop(process, options["grace"], terminated)
+            if tee is not None:
+                tee.drain()
             lost = held.lost_error.error if held.lost_error else "the lease was lost"
             report({"ok": False, "status": "lost", "error": lost, "command": how})
             return EXIT_LOST
@@ -375,6 +493,8 @@ def _run_held(
                 options["grace"],
             )
             _stop(process, options["grace"], terminated)
+        if tee is not None:
+            tee.drain()
     status = _shell_status(process.returncode)
     if held.lost.is_set():
         lost = held.lost_error.error if held.lost_error else "the lease was lost"
@@ -384,10 +504,14 @@ def _run_held(
         name = signal.Signals((received or noted)[0]).name
         why = f"run was sent {name}: the command's status is not recorded"
         report({"ok": False, "status": "interrupted", "error": why, "exit_code": status})
+    elif options["record"] and status != EXIT_OK and not options["record_failures"]:
+        # Released on the way out: the next run (or one waiting now) runs it again.
+        progress.say(f"exit code {status} is not recorded (no --record-failures); key released")
     elif options["record"]:
+        result = _recorded(status, tee)
         try:
             with _interruptible(noted):
-                client._complete_once(held, _recorded(status))  # retried while held
+                client._complete_once(held, result)  # retried while held
         except _Interrupted as stop:  # the lease is let go on the way out
             name = signal.Signals(stop.signum).name
             why = f"{name} while the status was being stored: it may not have been"
