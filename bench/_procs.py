@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,28 +74,6 @@ def memory_mb(pid: int) -> tuple[float, float]:
             child_rss, child_peak = read(child)
             rss, peak = rss + child_rss, peak + child_peak
     return rss, peak
-
-
-def sync_ms(
-    workdir: Path, count: int = 100, sync: Callable[[int], None] = os.fsync
-) -> dict[str, float]:
-    """How long the disk under ``workdir`` takes to ``sync`` (``os.fsync``, or
-    ``os.fdatasync`` as SQLite's commits do) a 4 KiB write (p50, p99, ms): the floor of
-    an acknowledged write at 1 connection, since every commit waits for one."""
-    path = workdir / "fsync-probe"
-    times = []
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        for _ in range(count):
-            os.write(fd, b"x" * 4096)
-            began = time.perf_counter()
-            sync(fd)
-            times.append((time.perf_counter() - began) * 1000)
-    finally:
-        os.close(fd)
-        path.unlink()
-    times.sort()
-    return {"p50": round(times[count // 2], 3), "p99": round(times[count * 99 // 100], 3)}
 
 
 @dataclass
