@@ -11,8 +11,10 @@ For each store (one server process each, a fresh database each)::
 
 then the memory store (the empty-store runs only: the ceiling the durable stores are
 measured against, ``MemoryTarget``), then etcd 3.4 (acquire at 64 and 1 connections),
-and last what the Idempotency-Key middleware adds to a request at one connection
-(``bench.middleware``, on a SQLite leasekeeper of its own; ``--no-middleware`` skips it).
+then one client's calls through the SDK beside redis-py's Lock on a Redis that fsyncs
+every write (``bench.latency``; ``--no-latency`` skips it), and last what the
+Idempotency-Key middleware adds to a request at one connection (``bench.middleware``,
+on a SQLite leasekeeper of its own; ``--no-middleware`` skips it).
 The ratio of a run is its rate over the reference's rate measured around it: the mean
 of the reference runs just before and just after it (``reference_ops_per_s`` in the
 run's ``extra``). A VM's speed can drift within minutes, so every workload gets its
@@ -45,7 +47,7 @@ from typing import Any
 
 import httpx
 
-from bench import _plot, _report, middleware
+from bench import _plot, _report, latency, middleware
 from bench._procs import Process, start_etcd, start_leasekeeper, start_reference
 from bench._stores import (
     MemoryTarget,
@@ -83,11 +85,17 @@ class Plan:
     hot_keys: int = 10  # contention
     #: Rounds of the middleware stage, each a request of every kind (``bench.middleware``).
     middleware_rounds: int = 500
+    #: Calls of each measure in the one-client stage, and its wrk run (``bench.latency``).
+    latency_pairs: int = 2000
+    latency_seconds: int = 8
 
     @classmethod
     def make(cls, quick: bool, records: int | None) -> Plan:
         if quick:
-            return cls(2, 1, 1, 1, records or 100_000, 1_000, 2, 15, rounds=1, middleware_rounds=30)
+            return cls(
+                2, 1, 1, 1, records or 100_000, 1_000, 2, 15, rounds=1, middleware_rounds=30,
+                latency_pairs=300, latency_seconds=2,
+            )  # fmt: skip
         return cls(8, 4, 4, 2, records or 1_000_000, 10_000, 4, 60)
 
 
@@ -142,6 +150,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-etcd", action="store_true", help="skip the etcd peer")
     parser.add_argument("--no-single", action="store_true", help="skip the 1-connection runs")
     parser.add_argument("--no-middleware", action="store_true", help="skip the middleware stage")
+    parser.add_argument(
+        "--no-latency", action="store_true", help="skip the one-client stage (bench.latency)"
+    )
     parser.add_argument(
         "--dry-run", action="store_true", help="check tools and stores, print the plan, exit"
     )
@@ -213,6 +224,11 @@ def _bench(
                 sections.append(Section("etcd", notes=[f"etcd is not installed ({APT})"]))
         finally:
             reference.stop()
+        one_client = None
+        if not args.no_latency:
+            one_client = latency.stage(
+                workdir / "latency", plan.latency_pairs, plan.latency_seconds, wrk
+            )
         overhead = None
         if not args.no_middleware:
             overhead = middleware.stage(workdir / "middleware", plan.middleware_rounds)
@@ -227,6 +243,8 @@ def _bench(
             for s in sections
         ],
     }
+    if one_client is not None:
+        results["latency"] = one_client
     if overhead is not None:
         results["middleware"] = overhead
     results["targets"] = _report.targets(results)

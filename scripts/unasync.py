@@ -58,6 +58,7 @@ SUBSTITUTIONS: list[tuple[str, str]] = [
     (r"\b__aexit__\b", "__exit__"),
     (r"\baclose\b", "close"),
     (r"\baiter_bytes\b", "iter_bytes"),
+    (r"\bhandle_async_request\b", "handle_request"),
     # A callback the async client awaits when it returns an awaitable is simply called.
     (r"\basync_(?:notify|call_soon)\(([\w.]+), ", r"\1("),
     # Names: AsyncX is X, async_x is x (the twins in _http and _renewer).

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bench import _driver, middleware
+from bench import _driver, latency, middleware
 from bench._report import middleware_lines, render
 from bench.middleware import LEASE, MEASURES, parse_args, report, summary
 
@@ -95,6 +95,12 @@ def fake_bench(monkeypatch: pytest.MonkeyPatch, order: list[str]) -> None:
 
     monkeypatch.setattr(middleware, "run", run)
 
+    def one_client(workdir: Path, pairs: int, seconds: int, wrk: str | None) -> dict[str, Any]:
+        order.append(f"latency {pairs}")
+        return {"pairs": pairs, "results": {}, "notes": []}
+
+    monkeypatch.setattr(latency, "run", one_client)
+
     def no_plot(results: dict[str, Any], path: Path) -> Path:
         raise ImportError
 
@@ -110,7 +116,10 @@ def test_make_bench_measures_the_middleware_last_and_reports_it(
     args = _driver.parse_args(["--stores", "sqlite,memory", "--out", str(out)])
     plan = _driver.Plan.make(quick=False, records=None)
     assert _driver._bench(args, plan, ["sqlite", "memory"], ["acquire"], "wrk", "etcd") == 0
-    assert order == ["sqlite", "memory", "etcd", f"middleware {plan.middleware_rounds}"]
+    assert order == [
+        "sqlite", "memory", "etcd", f"latency {plan.latency_pairs}",
+        f"middleware {plan.middleware_rounds}",
+    ]  # fmt: skip
     stage = json.loads(out.read_text())["middleware"]
     assert stage == {"rounds": plan.middleware_rounds, "results": FIGURES, "notes": []}
     printed = capsys.readouterr().out
@@ -124,7 +133,7 @@ def test_no_middleware_skips_the_stage_and_its_report(
     order: list[str] = []
     fake_bench(monkeypatch, order)
     out = tmp_path / "results.json"
-    args = _driver.parse_args(["--no-middleware", "--no-etcd", "--out", str(out)])
+    args = _driver.parse_args(["--no-middleware", "--no-latency", "--no-etcd", "--out", str(out)])
     plan = _driver.Plan.make(quick=True, records=None)
     assert _driver._bench(args, plan, ["sqlite"], ["acquire"], "wrk", None) == 0
     assert order == ["sqlite"]

@@ -965,3 +965,16 @@ def test_async_on_lost_is_called_once_when_the_worker_finds_the_expiry_too(
             assert lease.lost_error is told[0]
 
     run_app(scenario)
+
+
+def test_the_async_transport_finds_sniffio() -> None:
+    """httpcore imports sniffio in every async request (its ``current_async_library``),
+    and anyio no longer depends on it: without it, every request searched ``sys.path``
+    for it in vain, several times (docs/performance.md, "Speed tricks")."""
+    from importlib import metadata, util
+
+    required = [
+        r.split(">")[0].split(";")[0].strip() for r in metadata.requires("leasekeeper") or []
+    ]
+    assert "sniffio" in required
+    assert util.find_spec("sniffio") is not None

@@ -1413,3 +1413,42 @@ def test_once_across_threads_runs_once(api: Any, namespace: str) -> None:
         second.join(5)
     assert results == ["done", "done"]
     assert calls == ["first"]
+
+
+def test_its_own_clients_requests_go_to_the_transport_as_httpxs_client_sends_them() -> None:
+    """The client's own httpx client hands its requests straight to its transport
+    (``_http.Direct``): the same URL, headers, body and timeout as httpx's client sends."""
+    seen: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"ok": True, "status": "released", "fencing_token": 7})
+
+    transport = httpx.MockTransport(answer)
+    direct = LeaseClient(BASE_URL, transport=transport, timeout=3.0)
+    assert direct._direct is not None and direct._direct.transport is transport
+    through = httpx.Client(base_url=BASE_URL + "/services/v1", transport=transport, timeout=3.0)
+    for client in (direct, LeaseClient(client=through)):
+        assert client.release("ns", "k", "ot").fencing_token == 7
+    sent, expected = seen
+    assert (sent.method, sent.url, sent.content) == (
+        expected.method,
+        expected.url,
+        expected.content,
+    )
+    assert sorted(sent.headers.multi_items()) == sorted(expected.headers.multi_items())
+    assert (
+        sent.extensions["timeout"] == expected.extensions["timeout"] == httpx.Timeout(3.0).as_dict()
+    )
+
+
+def test_its_own_client_sends_through_a_proxy_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    client = LeaseClient("http://leases.invalid:8787")
+    assert client._direct is not None
+    assert client._direct.transport is not client._http._transport  # the proxy's mount
+    client.close()

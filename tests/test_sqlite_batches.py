@@ -588,6 +588,40 @@ def test_no_answer_before_the_fsync_of_the_wal_and_the_next_batch_does_not_wait(
     asyncio.run(main())
 
 
+def test_a_batch_that_writes_nothing_waits_for_no_fsync_unless_one_before_it_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refusal (a key held) writes nothing: with every earlier batch fsynced, it is
+    answered with no fsync of its own. Behind a batch still waiting for its fsync it
+    waits for that fsync, since what it read may not be durable yet."""
+    gate = GatedFsync(monkeypatch)
+
+    async def main() -> None:
+        store = SqliteStore(tmp_path / "r.db", FakeClock(), fsync_process=False)
+        await store.open()
+        key = new_id()
+        assert isinstance(
+            (await store.apply(Acquire(key, None, TTL, new_id(), LIFECYCLE))).outcome, Granted
+        )
+        gate.armed.set()  # from now on every fsync waits for the test
+        refused = await asyncio.wait_for(
+            store.apply(Acquire(key, None, TTL, new_id(), LIFECYCLE)), 10
+        )
+        assert isinstance(refused.outcome, Held) and gate.calls == 0
+        written = queue_acquire(store)
+        assert await asyncio.to_thread(gate.entered.wait, 10)
+        behind = asyncio.ensure_future(store.apply(Acquire(key, None, TTL, new_id(), LIFECYCLE)))
+        for _ in range(50):  # the batch is decided on the loop, a few turns on
+            await asyncio.sleep(0)
+        assert not behind.done() and not written.done()
+        gate.release.set()
+        assert isinstance((await behind).outcome, Held)
+        assert isinstance((await written).outcome, Granted) and gate.done >= 1
+        await store.close()
+
+    asyncio.run(main())
+
+
 def test_a_batch_whose_fsync_hangs_has_an_unknown_outcome_a_timeout_after_its_deadline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

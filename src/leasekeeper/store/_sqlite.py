@@ -13,11 +13,13 @@ committed since its last fsync, and only then are those batches answered::
 
 The loop commits the next batch while the last is made durable. WAL frames are
 appended in commit order, so one fsync covers every batch committed before it, and a
-crash loses only batches nobody was told about. After a failed fsync the kernel may
-have dropped the pages it could not write, and a later fsync would prove nothing: the
-batches it covered and every call after get 503 until a restart. So it is when the
-store's files were deleted or replaced (looked for before each fsync), or the syncer
-is gone.
+crash loses only batches nobody was told about. A batch that wrote nothing (a
+replay, a refusal) is answered at once when no batch before it waits for its fsync:
+what it read is durable already. After a failed fsync the kernel may have dropped
+the pages it could not write, and a later fsync would prove nothing: the batches it
+covered and every call after get 503 until a restart. So it is when the store's
+files were deleted or replaced (looked for before each fsync), or the syncer is
+gone.
 
 Whatever can wait waits off the loop: tasks (purge steps, pings) and a batch that
 finds the write lock taken run whole on the writer's thread, and are fsynced like a
@@ -300,7 +302,12 @@ class SqliteStore:
             except sqlite3.Error:
                 results = await self._whole_on_thread(batch)
             else:
+                changes = conn.total_changes
                 results = self._commit_on_loop(conn, batch)
+                if conn.total_changes == changes and not self._unsynced:
+                    # It wrote nothing, and what it read is durable: no fsync to wait for.
+                    Batcher.answer(results)
+                    return
         if results:
             self._make_durable(results)
 
