@@ -1442,6 +1442,21 @@ def test_its_own_clients_requests_go_to_the_transport_as_httpxs_client_sends_the
     )
 
 
+def test_a_url_with_credentials_goes_through_httpxs_client_as_basic_auth() -> None:
+    """httpx's client turns a URL's user name and password into basic auth: such a URL
+    is never handed to the transport directly, which would drop them."""
+    seen: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"ok": True, "status": "released", "fencing_token": 7})
+
+    client = LeaseClient("http://ops:pw@leases.invalid:8787", transport=httpx.MockTransport(answer))
+    assert client._direct is not None and client._direct.transport is None
+    assert client.release("ns", "k", "ot").fencing_token == 7
+    assert seen[0].headers["authorization"] == "Basic b3BzOnB3"  # base64("ops:pw")
+
+
 def test_its_own_client_sends_through_a_proxy_from_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

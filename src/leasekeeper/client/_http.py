@@ -126,13 +126,18 @@ class Direct:
     from the environment), to be handed to it directly: past the client's redirects,
     cookies, auth, event hooks and URL merging, which the lease client never needs and
     which cost a third of its CPU per request (docs/performance.md, "Speed tricks").
+    A URL with credentials goes through the client, which turns them into basic auth.
     The headers are the client's with ``HEADERS``; the timeout, the client's or the
     request's own."""
 
     def __init__(self, client: httpx.Client | httpx.AsyncClient, timeout: float) -> None:
         # (httpx's own lookup, private; without it, requests go through the client)
+        # A URL with a user name or password: httpx's client sends it as basic auth.
         find = getattr(client, "_transport_for_url", None)
-        self.transport: Any = None if find is None else find(client.base_url)
+        if find is None or client.base_url.userinfo:
+            self.transport: Any = None
+        else:
+            self.transport = find(client.base_url)
         headers = httpx.Headers(client.headers)
         headers.update(HEADERS)
         self._headers = headers.raw
