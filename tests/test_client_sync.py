@@ -264,12 +264,14 @@ def test_no_answer_is_service_unreachable(api: Any, fake_time: FakeTime) -> None
     assert isinstance(raised.value.__cause__, httpx.ConnectError)
 
 
-def test_unreachable_names_the_url_tried_without_its_password() -> None:
-    """A refused connection's message names the URL tried, its user and password left out."""
+@pytest.mark.parametrize("userinfo", ["alice:hunter2@", ""])
+def test_unreachable_names_the_url_tried_without_its_password(userinfo: str) -> None:
+    """A refused connection's message names the URL tried, its user and password left out
+    (a URL without them goes straight to the transport, ``_http.Direct``)."""
     with socket.socket() as sock:  # bound, not listening: connections to it are refused
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-        client = LeaseClient(f"http://alice:hunter2@127.0.0.1:{port}")
+        client = LeaseClient(f"http://{userinfo}127.0.0.1:{port}")
         with client, pytest.raises(ServiceUnreachable) as raised:
             client.create_namespace()
     message = str(raised.value)

@@ -188,6 +188,7 @@ class AsyncLeaseClient:
                 finally:
                     await response.aclose()
         except httpx.RequestError as exc:  # no answer, or none that could be read
+            exc.request = request  # (httpx's client does this; its message names the URL)
             raise unreachable(exc) from exc
         return read_response(response, reader.content())
 

@@ -173,6 +173,7 @@ class LeaseClient:
                 finally:
                     response.close()
         except httpx.RequestError as exc:  # no answer, or none that could be read
+            exc.request = request  # (httpx's client does this; its message names the URL)
             raise unreachable(exc) from exc
         return read_response(response, reader.content())
 
