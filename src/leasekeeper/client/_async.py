@@ -70,7 +70,7 @@ from leasekeeper.client._results import (
     parse_namespace,
     parse_released,
 )
-from leasekeeper.client._timing import RenewalPlan, acquire_delay, as_seconds
+from leasekeeper.client._timing import RenewalPlan, acquire_delay, as_seconds, server_wait
 
 __all__ = ["AsyncHeldLease", "AsyncLeaseClient"]
 
@@ -192,18 +192,28 @@ class AsyncLeaseClient:
         wait: Wait,
         on_wait: OnWait | None,
     ) -> tuple[Lease | Completed, float]:
-        """Acquire, waiting as ``acquire`` does; also returns when the winning request was sent."""
+        """Acquire, waiting as ``acquire`` does; also returns when the winning request was
+        sent. A held key is waited for by the server (``wait_seconds``, up to a minute per
+        request), which hands the key over the moment it is free; the client itself waits
+        only out the last fraction of a second, and out rate limits and outages."""
         body = lease_body(namespace=namespace, key=key, ttl_seconds=ttl, fingerprint=fingerprint)
         deadline = self._monotonic() + as_seconds(wait)
         attempt = 0
         unknown: OutcomeUnknown | None = None
         while True:
             sent_at = self._monotonic()
+            waits = server_wait(deadline - sent_at)
             try:
-                return parse_acquire(await self._post("/lease", body)), sent_at
+                if not waits:
+                    return parse_acquire(await self._post("/lease", body)), sent_at
+                asked = {**body, "wait_seconds": waits}
+                answer = await self._post("/lease", asked, self.timeout + waits)
+                return parse_acquire(answer), sent_at
             except WAITABLE as error:
                 if isinstance(error, OutcomeUnknown):
                     unknown = error
+                if waits and isinstance(error, LeaseHeld):
+                    continue  # the server waited; ask it to wait on
                 delay = acquire_delay(
                     attempt,
                     error.retry_after or 0,
