@@ -6,10 +6,15 @@ follow it (``ClockTimers``), and nothing here sleeps."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import time
 import tracemalloc
+import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 
@@ -20,6 +25,7 @@ from leasekeeper._service import LeaseService, Reply
 from leasekeeper._settings import Settings
 from leasekeeper.http import create_app
 from leasekeeper.store import Store
+from tests._server import running_server
 from tests.conftest import STORE_KINDS, ClockTimers, StoreFactory
 
 
@@ -447,5 +453,49 @@ def test_http_waits_and_a_disconnect_ends_the_wait(
         assert len(w.service.waiting) == 0
         await w.release(owner)
         assert (await w.acquire()).created
+
+    run(world_on(make_store, clock, "sqlite"), body)
+
+
+def test_a_stopping_server_answers_its_waiters_at_once(tmp_path: Path) -> None:
+    """SIGTERM to ``leasekeeper serve`` answers a request waiting on a held key at once
+    (409 held), and the server exits without waiting out its 60 s."""
+    with running_server(f"sqlite:///{tmp_path / 'run.db'}", tmp_path / "log") as server:
+        with httpx.Client(base_url=server.api, timeout=90) as http:
+            body = {"key": str(uuid.uuid4()), "wait_seconds": 60}
+            assert http.post("/lease", json={"key": body["key"]}).status_code == 201
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(http.post, "/lease", json=body)
+                for _ in range(500):  # until the server has the request (it then waits)
+                    metrics = httpx.get(server.url + "/metrics").text
+                    if "leasekeeper_requests_in_flight 2.0" in metrics:
+                        break
+                    time.sleep(0.01)
+                started = time.monotonic()
+                server.process.terminate()
+                response = waiting.result(timeout=30)
+        assert response.status_code == 409
+        assert response.json()["status"] == "held"
+        assert time.monotonic() - started < 30
+        assert server.process.wait(30) in (0, -15)  # uvicorn re-raises the signal
+
+
+def test_waiters_count_against_the_connection_limit(
+    make_store: StoreFactory, clock: FakeClock
+) -> None:
+    """A waiting request holds one of LEASEKEEPER_MAX_CONNECTIONS: past it, 503."""
+
+    async def body(w: World) -> None:
+        app = create_app(w.service, Settings(max_connections=1), run_cleanup=False)
+        await w.acquire()
+        request = {"namespace": w.namespace, "key": "job", "wait_seconds": 30}
+        waiting = asyncio.ensure_future(_post(app, request))
+        await w.queued(1)
+        start, reply = await _post(app, {"namespace": w.namespace, "key": "other"})
+        assert start["status"] == 503
+        assert b"connection limit" in reply["body"]
+        w.service.stop_waiting()
+        start, _ = await asyncio.wait_for(waiting, 10)
+        assert start["status"] == 409
 
     run(world_on(make_store, clock, "sqlite"), body)
