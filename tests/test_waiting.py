@@ -167,9 +167,9 @@ def test_grants_follow_arrival_order(
 def test_a_completion_answers_every_waiter_at_once(
     make_store: StoreFactory, clock: FakeClock, store_kind: str
 ) -> None:
-    """A completion decides all waiters in one go from the completed record: 200 with
-    the stored result for the same fingerprint, 409 conflict for another; one store
-    call besides the completion itself."""
+    """A completion decides all waiters in one go from the completed record, 200 with
+    the stored result, with one store call besides the completion itself; a waiter
+    with another fingerprint is told 409 conflict at once, not at the completion."""
 
     async def body(w: World) -> None:
         owner = await w.acquire(fingerprint="fp")
@@ -177,15 +177,15 @@ def test_a_completion_answers_every_waiter_at_once(
         await w.queued(1)
         other = w.waiter(fingerprint="other")
         same += [w.waiter(fingerprint="fp") for _ in range(3)]
-        await w.queued(5)
+        await w.queued(4)
+        await answered(other)
+        assert isinstance(other.exception(), FingerprintConflict)
         before = len(w.counted.calls)
         await w.complete(owner, {"sum": 3})
         for task in same:
             reply = await asyncio.wait_for(task, 10)
             assert reply.plain()["status"] == "completed"
             assert reply.plain()["result"] == {"sum": 3}
-        await answered(other)
-        assert isinstance(other.exception(), FingerprintConflict)
         assert w.counted.calls[before:] == ["complete", "acquire"]
 
     run(world_on(make_store, clock, store_kind), body)
@@ -388,6 +388,14 @@ def test_waiting_answers_conflict_at_once(make_store: StoreFactory, clock: FakeC
         with pytest.raises(FingerprintConflict):
             await w.acquire(fingerprint="b", wait_seconds=30)
         assert len(w.service.waiting) == 0
+        waiting = w.waiter(fingerprint="a")
+        await w.queued(1)
+        calls = len(w.counted.calls)
+        with pytest.raises(FingerprintConflict):  # behind a waiter: from what it learned
+            await w.acquire(fingerprint="b", wait_seconds=30)
+        assert len(w.counted.calls) == calls and len(w.service.waiting) == 1
+        w.service.stop_waiting()
+        await answered(waiting)
 
     run(world_on(make_store, clock, "sqlite"), body)
 

@@ -39,6 +39,7 @@ from typing import Protocol
 from leasekeeper._core.model import (
     Acquire,
     CompletedOutcome,
+    Conflict,
     Granted,
     Held,
     LeaseRecord,
@@ -189,6 +190,11 @@ class Waiting:
             queue = self._queues[key_id] = _Queue(first.record, first.now_ms, timers.now())
         elif first is not None:
             queue.saw(first.record, first.now_ms, timers.now())
+        else:
+            # Bound to another fingerprint for the lifecycle: no wait would change that.
+            known = self._estimate(queue, command)
+            if isinstance(known, Conflict):
+                return known
         waiter = _Waiter(command, poked=first is None)
         queue.waiters.append(waiter)
         deadline = timers.call_at(timers.now() + seconds, waiter.time_out)
