@@ -49,6 +49,10 @@ class Gated:
         self.store = store
         self.gate = asyncio.Event()
         self.gate.set()
+        #: Acquires wait for this one after the store decided, before they are answered.
+        self.answer = asyncio.Event()
+        self.answer.set()
+        self.decided = asyncio.Event()
         self.down = False
 
     def __getattr__(self, name: str) -> Any:
@@ -59,6 +63,10 @@ class Gated:
             if self.down:
                 raise ServiceUnavailable("The lease store cannot be reached")
             await self.gate.wait()
+            decision = await self.store.apply(command)
+            self.decided.set()
+            await self.answer.wait()
+            return decision
         return await self.store.apply(command)
 
 
@@ -270,6 +278,26 @@ def test_a_client_gone_is_granted_nothing(
         assert w.counted.calls.count("release") == 2
         fresh = await w.acquire()  # free: nobody was granted it, or it was released
         assert fresh.created
+
+    run(world_with(Gated(make_store(store_kind)), clock), body)
+
+
+def test_a_release_during_the_first_decision_is_not_missed(
+    make_store: StoreFactory, clock: FakeClock, store_kind: str
+) -> None:
+    """A release that lands while a waiter's first decision (held) is on its way back
+    wakes that waiter as soon as it queues, not at the lease's expiry."""
+
+    async def body(w: World) -> None:
+        store: Gated = w.service.store  # type: ignore[assignment]
+        owner = await w.acquire()
+        store.answer.clear()
+        store.decided.clear()
+        waiting = w.waiter()
+        await asyncio.wait_for(store.decided.wait(), 10)  # held, not answered yet
+        await w.release(owner)
+        store.answer.set()
+        assert (await asyncio.wait_for(waiting, 10)).created
 
     run(world_with(Gated(make_store(store_kind)), clock), body)
 

@@ -211,9 +211,15 @@ class LeaseService:
         elif waiting.queued(key_id):  # behind the waiters already there (_waiting says why)
             outcome = await waiting.wait(command, None, wait, self._acquire_for_waiter)
         else:
-            outcome = await self._acquire_for_waiter(command)
+            mark = waiting.watch(key_id)
+            try:
+                outcome = await self._acquire_for_waiter(command)
+            finally:
+                stale = waiting.missed(key_id, mark)
             if isinstance(outcome, Held):
-                outcome = await waiting.wait(command, outcome, wait, self._acquire_for_waiter)
+                outcome = await waiting.wait(
+                    command, outcome, wait, self._acquire_for_waiter, stale=stale
+                )
         if isinstance(outcome, Granted):
             record, now = outcome.record, outcome.now_ms
             return Reply(

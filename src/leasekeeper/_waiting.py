@@ -146,6 +146,8 @@ class Waiting:
         self.timers: Timers = timers or LoopTimers()
         self.recheck_seconds = recheck_seconds
         self._queues: dict[bytes, _Queue] = {}
+        #: Keys whose first decision is in flight: [how many, changes heard meanwhile].
+        self._watched: dict[bytes, list[int]] = {}
         self.stopping = False
 
     def __len__(self) -> int:
@@ -162,8 +164,28 @@ class Waiting:
         if key_id is None:
             for each in self._queues.values():
                 each.poke_head()
-        elif (queue := self._queues.get(key_id)) is not None:
+            for counts in self._watched.values():
+                counts[1] += 1
+            return
+        if (queue := self._queues.get(key_id)) is not None:
             queue.poke_head()
+        if (watched := self._watched.get(key_id)) is not None:
+            watched[1] += 1
+
+    def watch(self, key_id: bytes) -> int:
+        """Before the first decision of an acquire that may wait: a mark for ``missed``.
+        A change heard while that decision is in flight has no queue to wake yet."""
+        counts = self._watched.setdefault(key_id, [0, 0])
+        counts[0] += 1
+        return counts[1]
+
+    def missed(self, key_id: bytes, mark: int) -> bool:
+        """After that decision: whether the key changed while it was in flight."""
+        counts = self._watched[key_id]
+        counts[0] -= 1
+        if not counts[0]:
+            del self._watched[key_id]
+        return counts[1] != mark
 
     def stop(self) -> None:
         """Answer every waiter now (409 held, from what its queue last learned), and
@@ -177,10 +199,17 @@ class Waiting:
         self.stopping = False
 
     async def wait(
-        self, command: Acquire, first: Held | None, seconds: float, decide_acquire: Decide
+        self,
+        command: Acquire,
+        first: Held | None,
+        seconds: float,
+        decide_acquire: Decide,
+        *,
+        stale: bool = False,
     ) -> Outcome:
         """Wait up to ``seconds`` for the key of ``command`` (decided ``first``, or not
-        decided yet when its key has waiters here) to be decided otherwise than held."""
+        decided yet when its key has waiters here) to be decided otherwise than held.
+        ``stale``: the key changed while ``first`` was being decided (``missed``)."""
         timers = self.timers
         key_id = command.key_id
         queue = self._queues.get(key_id)
@@ -195,7 +224,7 @@ class Waiting:
             known = self._estimate(queue, command)
             if isinstance(known, Conflict):
                 return known
-        waiter = _Waiter(command, poked=first is None)
+        waiter = _Waiter(command, poked=first is None or stale)
         queue.waiters.append(waiter)
         deadline = timers.call_at(timers.now() + seconds, waiter.time_out)
         try:

@@ -18,6 +18,7 @@ dead connections by itself, so the store recovers when the database is back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -133,17 +134,23 @@ class PostgresStore:
         connection of its own (``_listen``)."""
         self._on_change = callback
 
-    async def _listen(self, callback: Callable[[bytes | None], None]) -> None:
+    async def _listen(
+        self, callback: Callable[[bytes | None], None], listening: asyncio.Event
+    ) -> None:
         """LISTEN for changes on a connection of its own, for as long as the store is
-        open; reconnected with backoff when it fails, and then ``callback(None)``: what
-        was committed meanwhile went unheard."""
+        open (``listening`` is set once it does); reconnected with backoff when it
+        fails, and then ``callback(None)``: what was committed meanwhile went unheard."""
         pause = 0.1
+        again = False  # the first LISTEN comes as the store opens: nothing to have missed
         while True:
             try:
                 conn = await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True)
                 try:
                     await conn.execute(sql.LISTEN)
-                    callback(None)
+                    if again:
+                        callback(None)
+                    again = True
+                    listening.set()
                     pause = 0.1
                     async for note in conn.notifies():
                         try:
@@ -176,7 +183,13 @@ class PostgresStore:
                 async with asyncio.timeout(self._timeout * 2), pool.connection() as conn:
                     await sql.migrate(conn, self.schema)
                 if self._on_change is not None:
-                    self._listener = asyncio.create_task(self._listen(self._on_change))
+                    listening = asyncio.Event()
+                    self._listener = asyncio.create_task(self._listen(self._on_change, listening))
+                    # Open once changes are heard; failing that, the waiters' re-checks
+                    # cover until the listener connects.
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self._timeout):
+                            await listening.wait()
             except BaseException as exc:
                 if pool is not None:
                     await pool.close()
