@@ -188,6 +188,18 @@ def run(workdir: Path, rounds: int, seconds: float, postgres_url: str | None) ->
     return results
 
 
+def stage(workdir: Path, rounds: int, postgres_url: str | None) -> dict[str, Any]:
+    """``make bench``'s hand-over stage: ``run`` in ``workdir`` (made here), 10 s of
+    contention. A stage that fails is a note: the results before it are kept."""
+    print(f"\n== hand-over: {rounds} per mode, waiting on the service against polling")
+    workdir.mkdir()
+    try:
+        return run(workdir, rounds, 10.0, postgres_url)
+    except (RuntimeError, httpx.HTTPError) as exc:
+        print(f"   skipped: {exc}")
+        return {"handover": {}, "contention": {}, "notes": [f"the hand-over stage failed: {exc}"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.handover", description=__doc__)
     parser.add_argument("--rounds", type=int, default=40, help="hand-overs per mode [40]")
