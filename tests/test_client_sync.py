@@ -500,11 +500,15 @@ def test_acquire_raises_lease_held_when_the_wait_is_over(
     out; the last try is at the deadline."""
     client.acquire(namespace, KEY, ttl=60)
     started = fake_time.monotonic()
+    told: list[tuple[str, float]] = []
     with pytest.raises(LeaseHeld) as held:
-        client.acquire(namespace, KEY, wait=3)
+        client.acquire(
+            namespace, KEY, wait=3, on_wait=lambda error, delay: told.append((error.status, delay))
+        )
     assert fake_time.monotonic() - started == 3
     assert held.value.retry_after_seconds == 57
     assert fake_time.waits == []
+    assert told == [("held", 0.0)]  # the service's wait ended held: progress, no pause
     with pytest.raises(LeaseHeld):
         client.acquire(namespace, KEY)  # no wait: one try
 

@@ -165,8 +165,10 @@ class LeaseClient:
         on_wait: OnWait | None = None,
     ) -> Lease | Completed:
         """Take the lease on ``key``: a ``Lease`` (yours now) or the ``Completed`` result.
-        With ``wait`` (seconds, a ``timedelta``, ``math.inf``) a held key, a rate limit or
-        an outage is retried with backoff; ``on_wait(error, delay)`` is told of each pause.
+        With ``wait`` (seconds, a ``timedelta``, ``math.inf``) a held key is waited for by
+        the service, and a rate limit or an outage is retried with backoff;
+        ``on_wait(error, delay)`` is told of each pause, and of each wait on the service
+        that ended held (``delay`` 0: asked again at once).
         ``OutcomeUnknown`` when an attempt may have been granted a lease whose token was
         lost: never ``LeaseHeld`` after one, since the holder may be that lease."""
         outcome, _ = self._acquire(namespace, key, ttl, fingerprint, wait, on_wait)
@@ -202,7 +204,10 @@ class LeaseClient:
                 if isinstance(error, OutcomeUnknown):
                     unknown = error
                 if waits and isinstance(error, LeaseHeld):
-                    continue  # the server waited; ask it to wait on
+                    # The server waited: ask it to wait on, at once (progress is told).
+                    if on_wait is not None:
+                        on_wait(error, 0.0)
+                    continue
                 delay = acquire_delay(
                     attempt,
                     error.retry_after or 0,
