@@ -21,6 +21,7 @@ import pytest
 from leasekeeper import FakeClock
 from leasekeeper._core.model import Command, Decision, Outcome
 from leasekeeper._errors import FingerprintConflict, LeaseHeld, ServiceUnavailable
+from leasekeeper._schemas import AcquireBody, parse_body
 from leasekeeper._service import LeaseService, Reply
 from leasekeeper._settings import Settings
 from leasekeeper.http import create_app
@@ -533,5 +534,22 @@ def test_waiters_count_against_the_connection_limit(
         w.service.stop_waiting()
         start, _ = await asyncio.wait_for(waiting, 10)
         assert start["status"] == 409
+
+    run(world_on(make_store, clock, "sqlite"), body)
+
+
+def test_a_grant_whose_answer_cannot_be_sent_is_released(
+    make_store: StoreFactory, clock: FakeClock
+) -> None:
+    """``release_unsent`` (what HTTP calls when a grant and a disconnect meet) frees the key."""
+
+    async def body(w: World) -> None:
+        request = parse_body(AcquireBody, {"namespace": w.namespace, "key": "job"})
+        reply = await w.service.acquire(request)
+        assert reply.created
+        await w.service.release_unsent(request, reply)
+        again = await w.acquire()
+        assert again.created
+        assert again.body["fencing_token"] > reply.body["fencing_token"]  # type: ignore[typeddict-item]
 
     run(world_on(make_store, clock, "sqlite"), body)
