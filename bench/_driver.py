@@ -12,9 +12,11 @@ For each store (one server process each, a fresh database each)::
 then the memory store (the empty-store runs only: the ceiling the durable stores are
 measured against, ``MemoryTarget``), then etcd 3.4 (acquire at 64 and 1 connections),
 then one client's calls through the SDK beside redis-py's Lock on a Redis that fsyncs
-every write (``bench.latency``; ``--no-latency`` skips it), and last what the
-Idempotency-Key middleware adds to a request at one connection (``bench.middleware``,
-on a SQLite leasekeeper of its own; ``--no-middleware`` skips it).
+every write (``bench.latency``; ``--no-latency`` skips it), what the Idempotency-Key
+middleware adds to a request at one connection (``bench.middleware``, on a SQLite
+leasekeeper of its own; ``--no-middleware`` skips it), and last how fast a freed key
+reaches a waiting worker, waiting on the service against polling (``bench.handover``;
+``--no-handover`` skips it).
 The ratio of a run is its rate over the reference's rate measured around it: the mean
 of the reference runs just before and just after it (``reference_ops_per_s`` in the
 run's ``extra``). A VM's speed can drift within minutes, so every workload gets its
@@ -47,7 +49,7 @@ from typing import Any
 
 import httpx
 
-from bench import _plot, _report, latency, middleware
+from bench import _plot, _report, handover, latency, middleware
 from bench._procs import Process, start_etcd, start_leasekeeper, start_reference
 from bench._stores import (
     MemoryTarget,
@@ -88,13 +90,15 @@ class Plan:
     #: Calls of each measure in the one-client stage, and its wrk run (``bench.latency``).
     latency_pairs: int = 2000
     latency_seconds: int = 8
+    #: Hand-overs per mode and store in the hand-over stage (``bench.handover``).
+    handover_rounds: int = 40
 
     @classmethod
     def make(cls, quick: bool, records: int | None) -> Plan:
         if quick:
             return cls(
                 2, 1, 1, 1, records or 100_000, 1_000, 2, 15, rounds=1, middleware_rounds=30,
-                latency_pairs=300, latency_seconds=2,
+                latency_pairs=300, latency_seconds=2, handover_rounds=10,
             )  # fmt: skip
         return cls(8, 4, 4, 2, records or 1_000_000, 10_000, 4, 60)
 
@@ -150,6 +154,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-etcd", action="store_true", help="skip the etcd peer")
     parser.add_argument("--no-single", action="store_true", help="skip the 1-connection runs")
     parser.add_argument("--no-middleware", action="store_true", help="skip the middleware stage")
+    parser.add_argument("--no-handover", action="store_true", help="skip the hand-over stage")
     parser.add_argument(
         "--no-latency", action="store_true", help="skip the one-client stage (bench.latency)"
     )
@@ -232,6 +237,10 @@ def _bench(
         overhead = None
         if not args.no_middleware:
             overhead = middleware.stage(workdir / "middleware", plan.middleware_rounds)
+        handovers = None
+        if not args.no_handover:
+            postgres = args.postgres_url if "postgresql" in stores else None
+            handovers = handover.stage(workdir / "handover", plan.handover_rounds, postgres)
     machine["loadavg_after"] = os.getloadavg()
     results = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
@@ -247,6 +256,8 @@ def _bench(
         results["latency"] = one_client
     if overhead is not None:
         results["middleware"] = overhead
+    if handovers is not None:
+        results["handover"] = handovers
     results["targets"] = _report.targets(results)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")

@@ -10,7 +10,10 @@ afterwards; without that variable they skip with the reason, except in CI
 from __future__ import annotations
 
 import asyncio
+import heapq
 import importlib
+import itertools
+import math
 import os
 import re
 import secrets
@@ -40,6 +43,76 @@ class FakeMonotonic:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+class _Handle:
+    cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class ClockTimers:
+    """The waiting acquires' timers (``_waiting.Timers``) on a ``FakeClock``: they fire
+    when ``advance`` moves the clock past them."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self._due: list[tuple[float, int, _Handle, Callable[[], None]]] = []
+        self._order = itertools.count()
+
+    def now(self) -> float:
+        return self.clock.now_ms() / 1000
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> _Handle:
+        handle = _Handle()
+        heapq.heappush(self._due, (when, next(self._order), handle, callback))
+        return handle
+
+    def advance(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+        self.fire()
+
+    def fire(self) -> None:
+        """Run the timers due at the clock's time."""
+        now = self.now()
+        while self._due and self._due[0][0] <= now:
+            _, _, handle, callback = heapq.heappop(self._due)
+            if not handle.cancelled:
+                callback()
+
+
+class JumpingTimers(ClockTimers):
+    """``ClockTimers`` that move the clock themselves, as trio's autojump clock does:
+    a moment (``pause`` real seconds) after a timer is set, the clock jumps to the
+    earliest one and it fires. For tests of clients that wait on the server while
+    their own time is the fake clock's."""
+
+    def __init__(self, clock: FakeClock, pause: float = 0.02) -> None:
+        super().__init__(clock)
+        self._pause = pause
+        self._jumping = False
+
+    def call_at(self, when: float, callback: Callable[[], None]) -> _Handle:
+        handle = super().call_at(when, callback)
+        if not self._jumping:
+            self._jumping = True
+            asyncio.get_running_loop().call_later(self._pause, self._jump)
+        return handle
+
+    def _jump(self) -> None:
+        self._jumping = False
+        while self._due and self._due[0][2].cancelled:
+            heapq.heappop(self._due)
+        if not self._due:
+            return
+        when = self._due[0][0]
+        if when * 1000 > self.clock.now_ms():
+            self.clock.set(math.ceil(when * 1000))
+        self.fire()
+        if self._due:
+            self._jumping = True
+            asyncio.get_running_loop().call_later(self._pause, self._jump)
 
 
 class ManualSleep:
@@ -212,7 +285,9 @@ ApiFactory = Callable[..., Api]
 
 
 @pytest.fixture
-def make_api(make_store: StoreFactory, monotonic: FakeMonotonic) -> Iterator[ApiFactory]:
+def make_api(
+    make_store: StoreFactory, monotonic: FakeMonotonic, clock: FakeClock
+) -> Iterator[ApiFactory]:
     """``make_api(store_kind="sqlite", lifecycle_seconds=86400, **settings)`` -> a running Api."""
     opened: list[TestClient] = []
 
@@ -225,7 +300,9 @@ def make_api(make_store: StoreFactory, monotonic: FakeMonotonic) -> Iterator[Api
         **settings: Any,
     ) -> Api:
         store = store or make_store(store_kind)
-        service = LeaseService(store, lifecycle_seconds=lifecycle_seconds)
+        service = LeaseService(
+            store, lifecycle_seconds=lifecycle_seconds, timers=JumpingTimers(clock)
+        )
         app = create_app(
             service,
             Settings(lifecycle_seconds=lifecycle_seconds, **settings),

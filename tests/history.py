@@ -24,7 +24,11 @@ where the service provably broke one of its promises:
     higher fence) had been acknowledged;
 ``completed-regranted`` / ``completed-lost`` / ``completed-changed``
     within a lifecycle, after a result was acknowledged, an acquire got a new owner,
-    got ``held`` (or a ``conflict`` for the same fingerprint), or a different result.
+    got ``held`` (or a ``conflict`` for the same fingerprint), or a different result;
+``out-of-order``
+    two waiting acquires (``wait_seconds`` > 0) sent to one instance were both
+    granted, the one sent at least ``ARRIVAL_MARGIN`` seconds earlier after the
+    other (a lower fence): waiters at one instance are served in arrival order.
 
 How time is read (the assumptions; each makes the checker *conservative*: it flags
 only what is certain under them, so a clean history proves nothing more than that
@@ -60,7 +64,11 @@ no break was observable, and a flagged one is a real break)::
 5. Lifecycles end at the reported ``absolute_expires_at`` (rounded down, so the real
    end is no earlier): an acquire that completed before ``A - offset - skew`` was
    decided inside the lifecycle that ends at ``A``.
-6. Owner tokens identify owners: the grant that returned a token is that owner's
+6. A request reaches its instance, and waits there if it must, within
+   ``ARRIVAL_MARGIN`` seconds of its invocation (the one assumption that is not
+   certain: a stalled client or a slow first decision could break it; 1 s is far
+   beyond what loopback runs show).
+7. Owner tokens identify owners: the grant that returned a token is that owner's
    start, and only requests carrying the token act for it. An acquire whose
    answer was lost created an owner nobody knows; it can hide breaks, never
    invent one.
@@ -76,7 +84,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -85,6 +93,8 @@ import httpx
 Kind = Literal["acquire", "renew", "release", "complete"]
 Outcome = Literal["ok", "fail", "unknown"]
 INF = math.inf
+#: Seconds by which a request is surely queued at its instance after it was sent.
+ARRIVAL_MARGIN = 1.0
 
 __all__ = [
     "Check",
@@ -116,6 +126,9 @@ class Op:
     fingerprint: str | None = None
     #: The result a complete submitted (to recognise it when its answer was lost).
     result: Any = None
+    #: An acquire's ``wait_seconds``, and the instance (base URL) it was sent to.
+    wait: int | None = None
+    instance: str | None = None
 
     @property
     def end(self) -> float:
@@ -256,6 +269,7 @@ class Recorder:
             if code == 503 and _nothing_written(parsed):
                 outcome = "fail"
             op = self._op(kind, key, body, invoke, complete, outcome, code, parsed)
+        op = replace(op, wait=body.get("wait_seconds"), instance=url)
         with self._lock:
             self.ops.append(op)
         return op
@@ -361,6 +375,27 @@ class _Key:
         self.check_overlap()
         self.check_stale_mutations()
         self.check_completed()
+        self.check_arrival_order()
+
+    def check_arrival_order(self) -> None:
+        """Waiters granted at one instance in the order they were sent (``out-of-order``)."""
+        waiters: dict[str, list[Op]] = defaultdict(list)
+        for grant in self.grants:
+            if grant.wait and grant.instance is not None:
+                waiters[grant.instance].append(grant)
+        for grants in waiters.values():
+            for later in grants:
+                for earlier in grants:
+                    if earlier.invoke + ARRIVAL_MARGIN >= later.invoke:
+                        break  # sorted by invocation: the rest were sent later still
+                    if (earlier.fence or 0) > (later.fence or 0):
+                        self.flag(
+                            "out-of-order",
+                            f"a waiter sent {later.invoke - earlier.invoke:.2f} s earlier was "
+                            f"granted fence {earlier.fence} after fence {later.fence}",
+                            earlier,
+                            later,
+                        )
 
     # -- server seconds in the clients' frame --------------------------------------------
 

@@ -35,6 +35,7 @@ from leasekeeper.client import (
 )
 from leasekeeper.http import create_app
 from tests.client_fakes import BASE_URL, FakeTime, manual_task
+from tests.conftest import JumpingTimers
 
 KEY = "invoice:2026-09-05"
 
@@ -47,11 +48,13 @@ def fake_time(clock: FakeClock) -> FakeTime:
 
 
 @pytest.fixture
-def run_app(make_store: Any, monotonic: Any) -> Callable[..., None]:
+def run_app(make_store: Any, monotonic: Any, clock: FakeClock) -> Callable[..., None]:
     """``run_app(scenario, lifecycle_seconds=...)``: run ``scenario(transport)`` in a new loop."""
 
     def run(scenario: Scenario, *, lifecycle_seconds: int = 86_400) -> None:
-        service = LeaseService(make_store("sqlite"), lifecycle_seconds=lifecycle_seconds)
+        service = LeaseService(
+            make_store("sqlite"), lifecycle_seconds=lifecycle_seconds, timers=JumpingTimers(clock)
+        )
         app = create_app(
             service,
             Settings(lifecycle_seconds=lifecycle_seconds),
@@ -134,17 +137,20 @@ def test_async_transport_failure_is_service_unreachable() -> None:
 def test_async_acquire_waits_with_backoff(
     run_app: Callable[..., None], fake_time: FakeTime
 ) -> None:
-    """Waiting for a held key doubles from 0.25 s, capped by Retry-After, on the signal."""
+    """A held key is waited for by the server, which hands it over at the lease's
+    expiry: the client pauses not once."""
 
     async def scenario(transport: httpx.AsyncBaseTransport) -> None:
         client = fake_client(transport, fake_time)
         namespace = await client.create_namespace()
         first = await client.acquire(namespace, KEY, ttl=2)
+        started = fake_time.monotonic()
         second = await client.acquire(namespace, KEY, ttl=2, wait=10)
         assert isinstance(first, Lease)
         assert isinstance(second, Lease)
         assert second.fencing_token > first.fencing_token
-        assert fake_time.waits == [0.25, 0.5, 1.0, 1.0]
+        assert fake_time.waits == []
+        assert fake_time.monotonic() - started == 2
 
     run_app(scenario)
 
@@ -163,9 +169,11 @@ def test_async_on_wait_may_be_a_coroutine_function(
         client = fake_client(transport, fake_time)
         namespace = await client.create_namespace()
         await client.acquire(namespace, KEY, ttl=1)
-        async with client.lease(namespace, KEY, wait=10, on_wait=on_wait) as lease:
-            lease.check()
-        assert told == [("held", 0.25), ("held", 0.5), ("held", 1.0)]
+        # Under a second to wait: too short to ask the server for, so the client polls.
+        with pytest.raises(LeaseHeld):
+            async with client.lease(namespace, KEY, wait=0.9, on_wait=on_wait):
+                pass
+        assert told == [("held", 0.25), ("held", 0.5), ("held", pytest.approx(0.15))]
 
     run_app(scenario)
 
@@ -477,17 +485,16 @@ def test_async_once_runs_once_across_tasks(run_app: Callable[..., None]) -> None
     """Concurrent tasks calling an async once function: one runs it, all get the result."""
 
     async def scenario(transport: httpx.AsyncBaseTransport) -> None:
-        both_held = asyncio.Event()  # the two later callers were each told "held"
+        both_held = asyncio.Event()  # the two later callers asked the server to wait
         held: list[int] = []
 
         class Watching(httpx.AsyncBaseTransport):
             async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-                response = await transport.handle_async_request(request)
-                if response.status_code == 409:
+                if b'"wait_seconds"' in request.content:
                     held.append(1)
                     if len(held) >= 2:
                         both_held.set()
-                return response
+                return await transport.handle_async_request(request)
 
         async with AsyncLeaseClient(BASE_URL, transport=Watching()) as client:
             namespace = await client.create_namespace()

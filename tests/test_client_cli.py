@@ -1042,11 +1042,12 @@ def test_run_complete_whose_answer_was_lost_still_records_and_passes_the_status(
 
 def test_ctrl_c_while_waiting_exits_130(cli: Cli) -> None:
     """SIGINT while acquire --wait waits is 130, as a shell reports it, not click's 1."""
-    assert cli("acquire", "--key", "busy", "--ttl", "60").exit_code == 0
+    assert cli("acquire", "--key", "busy", "--ttl", "86400").exit_code == 0
     timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()
     try:
-        result = cli("acquire", "--key", "busy", "--wait", "10")
+        # The service waits (on timers that jump the fake clock): for ever, till the signal.
+        result = cli("acquire", "--key", "busy", "--wait", "inf")
     finally:
         timer.join()
     assert result.exit_code == 130, result.output

@@ -329,10 +329,12 @@ def test_starlette_testclient_can_be_injected_too(api: Any, fake_time: FakeTime)
 def test_acquire_waits_with_backoff_until_the_lease_expires(
     client: LeaseClient, namespace: str, fake_time: FakeTime
 ) -> None:
-    """Waiting doubles from 0.25 s, capped by Retry-After, until the holder's lease expires."""
+    """The server waits for the holder's lease to expire and hands the key over then; the
+    client pauses not once."""
     first = client.acquire(namespace, KEY, ttl=2)
     assert isinstance(first, Lease)
     told: list[tuple[str, float]] = []
+    started = fake_time.monotonic()
     second = client.acquire(
         namespace,
         KEY,
@@ -342,8 +344,19 @@ def test_acquire_waits_with_backoff_until_the_lease_expires(
     )
     assert isinstance(second, Lease)
     assert second.fencing_token > first.fencing_token
-    assert fake_time.waits == [0.25, 0.5, 1.0, 1.0]
-    assert told == [("held", 0.25), ("held", 0.5), ("held", 1.0), ("held", 1.0)]
+    assert fake_time.waits == [] and told == []
+    assert fake_time.monotonic() - started == 2
+
+
+def test_a_wait_under_a_second_is_polled_with_backoff(
+    client: LeaseClient, namespace: str, fake_time: FakeTime
+) -> None:
+    """Under a second left, the client polls itself: from 0.25 s, doubling, until the
+    deadline, then LeaseHeld."""
+    client.acquire(namespace, KEY, ttl=60)
+    with pytest.raises(LeaseHeld):
+        client.acquire(namespace, KEY, wait=0.9)
+    assert fake_time.waits == [0.25, 0.5, pytest.approx(0.15)]
 
 
 @pytest.mark.parametrize(
@@ -500,11 +513,19 @@ def test_a_lease_the_service_answered_lost_is_not_released_on_exit(
 def test_acquire_raises_lease_held_when_the_wait_is_over(
     client: LeaseClient, namespace: str, fake_time: FakeTime
 ) -> None:
-    """With the wait exhausted the last LeaseHeld is raised; the last try is at the deadline."""
+    """With the wait exhausted the last LeaseHeld is raised, after the server waited it
+    out; the last try is at the deadline."""
     client.acquire(namespace, KEY, ttl=60)
-    with pytest.raises(LeaseHeld):
-        client.acquire(namespace, KEY, wait=3)
-    assert sum(w for w in fake_time.waits if w) == pytest.approx(3.0)
+    started = fake_time.monotonic()
+    told: list[tuple[str, float]] = []
+    with pytest.raises(LeaseHeld) as held:
+        client.acquire(
+            namespace, KEY, wait=3, on_wait=lambda error, delay: told.append((error.status, delay))
+        )
+    assert fake_time.monotonic() - started == 3
+    assert held.value.retry_after_seconds == 57
+    assert fake_time.waits == []
+    assert told == [("held", 0.0)]  # the service's wait ended held: progress, no pause
     with pytest.raises(LeaseHeld):
         client.acquire(namespace, KEY)  # no wait: one try
 

@@ -184,13 +184,17 @@ def contention_run(kind: str, tmp_path: Path, plan: Contention) -> None:
         if op.granted
     }
     stale_refused = sum(1 for op in history.ops if op.kind != "acquire" and op.status == 409)
+    # Grants to acquires that asked the server to wait and were answered after a while.
+    handed_over = sum(
+        1 for op in history.ops if op.granted and op.wait and op.end - op.invoke > 0.05
+    )
     seconds = max((op.complete or op.invoke for op in history.ops), default=0.0) - min(
         (op.invoke for op in history.ops), default=0.0
     )
     label = (
         f"contention {plan.label} store={kind} instances={instances} processes={plan.processes} "
         f"threads={plan.threads} seconds={seconds:.0f} keys={plan.keys} "
-        f"lifecycles={len(lifecycles)} lost_refused={stale_refused}"
+        f"lifecycles={len(lifecycles)} lost_refused={stale_refused} handed_over={handed_over}"
     )
     conftest.RUN_SUMMARIES.append(result.summary(label))
     assert result.violations == [], [str(v) for v in result.violations[:20]]

@@ -22,14 +22,17 @@ import schemathesis
 from schemathesis.checks import CHECKS, load_all_checks
 from schemathesis.specs.openapi.checks import negative_data_rejection, positive_data_acceptance
 
-from leasekeeper import LeaseService, Settings
+from leasekeeper import FakeClock, LeaseService, Settings
 from leasekeeper.http import create_app
 from leasekeeper.store import MemoryStore
 from tests import conftest
 
 # Minting is limited per address by default; the fuzzer is one address minting a lot.
+# An acquire with wait_seconds waits on timers that jump the store's fake clock, not for
+# up to a minute of real time.
+_CLOCK = FakeClock()
 APP = create_app(
-    LeaseService(MemoryStore()),
+    LeaseService(MemoryStore(_CLOCK), timers=conftest.JumpingTimers(_CLOCK)),
     Settings(namespace_rate=1_000_000.0, namespace_burst=1_000_000),
     run_cleanup=False,
 )

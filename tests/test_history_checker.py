@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -58,6 +59,11 @@ def grant(
         ttl=5,
         fingerprint=fingerprint,
     )
+
+
+def waiter(token: str, fence: int, t0: float, t1: float, expires: int, instance: str = "a") -> Op:
+    """A grant to an acquire that was sent with ``wait_seconds`` to ``instance``."""
+    return replace(grant(token, fence, t0, t1, expires), wait=30, instance=instance)
 
 
 def renew(
@@ -223,6 +229,22 @@ CLEAN: dict[str, list[Op]] = {
         grant("A", 1, 0.0, 0.1, 10),
         grant("B", 2, 1.0, 1.1, 10, key="other"),
     ],
+    "waiters granted in the order they were sent": [
+        grant("H", 1, 0.0, 0.1, 10),
+        waiter("A", 2, 1.0, 4.1, 20),
+        waiter("B", 3, 3.0, 6.1, 30),
+        release("H", 1, 4.0, 4.05),
+        release("A", 2, 6.0, 6.05),
+    ],
+    "waiters at two instances, or sent within the margin, in any order": [
+        grant("H", 1, 0.0, 0.1, 10),
+        waiter("A", 3, 1.0, 6.1, 30, instance="a"),
+        waiter("B", 2, 3.0, 4.1, 20, instance="b"),
+        waiter("C", 4, 2.5, 8.1, 40, instance="b"),
+        release("H", 1, 4.0, 4.05),
+        release("B", 2, 6.0, 6.05),
+        release("A", 3, 8.0, 8.05),
+    ],
     "a key held by an acquire whose outcome is unknown": [
         grant("X", 0, 1.0, None, 0, outcome="unknown"),
         held(2.0, 2.1, 5),
@@ -271,6 +293,16 @@ BROKEN: dict[str, tuple[str, list[Op]]] = {
             grant("A", 5, 0.0, 0.1, 2),
             release("A", 5, 0.5, 0.6),
             grant("B", 5, 5.0, 5.1, 8),
+        ],
+    ),
+    "a waiter overtaken at one instance": (
+        "out-of-order",
+        [
+            grant("H", 1, 0.0, 0.1, 10),
+            waiter("A", 3, 1.0, 6.1, 30),
+            waiter("B", 2, 3.0, 4.1, 20),
+            release("H", 1, 4.0, 4.05),
+            release("B", 2, 6.0, 6.05),
         ],
     ),
     "a renew that changes the fence": (

@@ -149,6 +149,17 @@ class TestFieldRules:
         body = error(api.acquire(namespace=ns, key=KEY, ttl_seconds=ttl), 400, "invalid")
         assert "ttl_seconds" in body["error"]
 
+    @pytest.mark.parametrize("wait", [-1, 61, True, False, 1.5, 0.0, "5", [5], {}])
+    def test_bad_wait_is_invalid(self, api: Api, ns: str, wait: Any) -> None:
+        """wait_seconds is a JSON integer 0..60: no floats, strings or booleans."""
+        body = error(api.acquire(namespace=ns, key=KEY, wait_seconds=wait), 400, "invalid")
+        assert body["error"] == "Invalid wait_seconds: must be a JSON integer from 0 to 60"
+
+    @pytest.mark.parametrize("wait", [0, 60, None])
+    def test_wait_on_a_free_key_is_a_plain_acquire(self, api: Api, ns: str, wait: Any) -> None:
+        """On a key nobody holds, wait_seconds (0, 60 or null) changes nothing: 201 at once."""
+        assert granted(api.acquire(namespace=ns, key=KEY, wait_seconds=wait))["fencing_token"]
+
     @pytest.mark.parametrize("ttl", [1, 86_400])
     def test_ttl_bounds_are_inclusive(self, api: Api, ns: str, ttl: int) -> None:
         """1 and 86400 are accepted and granted in full."""
@@ -185,7 +196,9 @@ class TestFieldRules:
         assert "key" in error(api.acquire(namespace=ns), 400, "invalid")["error"]
         body = error(api.acquire(namespace=ns, key=KEY, fingerprnt="x"), 400, "invalid")
         assert "fingerprnt" not in body["error"]
-        assert body["error"].endswith("takes namespace, key, ttl_seconds, fingerprint")
+        assert body["error"].endswith(
+            "takes namespace, key, ttl_seconds, fingerprint, wait_seconds"
+        )
         complete = api.complete(namespace=ns, key=KEY, owner_token="own_" + "A" * 43)
         assert "result" in error(complete, 400, "invalid")["error"]
 
@@ -660,7 +673,7 @@ class TestTransport:
         body = error(api.acquire(namespace=ns, key="k", **many), 400, "invalid")
         assert body["error"] == (  # one problem for them all, not the list 2,000 times
             "2000 unknown fields (names are not repeated); "
-            "this request takes namespace, key, ttl_seconds, fingerprint"
+            "this request takes namespace, key, ttl_seconds, fingerprint, wait_seconds"
         )
 
     def test_oversized_bodies(self, api: Api, ns: str) -> None:
@@ -837,7 +850,7 @@ class TestTransport:
         assert len(ids) == len(set(ids)) == 8
         schemas = doc["components"]["schemas"]
         for name, fields in {
-            "AcquireBody": {"namespace", "key", "ttl_seconds", "fingerprint"},
+            "AcquireBody": {"namespace", "key", "ttl_seconds", "fingerprint", "wait_seconds"},
             "RenewBody": {"namespace", "key", "owner_token", "ttl_seconds"},
             "ReleaseBody": {"namespace", "key", "owner_token"},
             "CompleteBody": {"namespace", "key", "owner_token", "result"},

@@ -162,6 +162,13 @@ async def full_flow(client: Client, secrets: Secrets) -> None:
         assert held["fencing_token"] == fence
         assert held["lease_expires_at"] == granted["lease_expires_at"]
         assert "owner_token" not in held
+        waited = refused(  # wait_seconds passes through: the service waited, then held
+            await client.call_tool(
+                "acquire_lease", {**lease, "fingerprint": fingerprint, "wait_seconds": 1}
+            ),
+            "held",
+        )
+        assert waited["fencing_token"] == fence and "owner_token" not in waited
 
         renewed = ok(
             await client.call_tool(

@@ -11,6 +11,7 @@ from leasekeeper._core.validation import (
     MAX_KEY_CHARS,
     MAX_RESULT_BYTES,
     MAX_TTL_SECONDS,
+    MAX_WAIT_SECONDS,
     MIN_BARE_KEY_BITS,
     MIN_BARE_KEY_CHARS,
 )
@@ -23,6 +24,7 @@ STATED = {
     "key": [str(MAX_KEY_CHARS), str(MIN_BARE_KEY_CHARS), f"{MIN_BARE_KEY_BITS:.0f} bits"],
     "ttl_seconds": [str(MAX_TTL_SECONDS), f"default {DEFAULT_TTL_SECONDS}"],
     "fingerprint": [str(MAX_FINGERPRINT_CHARS)],
+    "wait_seconds": [str(MAX_WAIT_SECONDS), "default 0"],
     "owner_token": ["own_", "43 base64url"],
     "result": [f"{MAX_RESULT_BYTES:,} bytes"],
 }

@@ -5,7 +5,8 @@ config names the mode, the server URLs, the namespace, the keys, the number of
 threads and a deadline; every loop is bounded by ``duration`` and ``max_ops``.
 
 ``contention``
-    Threads fight over a few hot keys with short TTLs: acquire, sometimes renew,
+    Threads fight over a few hot keys with short TTLs: acquire (half the time
+    waiting on the server for a held key, ``wait_seconds``), sometimes renew,
     then release, complete, walk away, or pause past the expiry and try to act
     as the stale owner it now is. Requests go to any of the URLs (several
     instances share one store).
@@ -97,9 +98,15 @@ class Worker:
         while self.more():
             key = rng.choice(self.config.keys)
             ttl = self.ttl()
-            got = self.call("acquire", key, ttl_seconds=ttl, fingerprint=f"fp-{key}")
+            # Half the acquires wait on the server for a held key (the answer within timeout).
+            wait = rng.choice([0, rng.randint(1, max(1, int(self.config.timeout) - 2))])
+            got = self.call(
+                "acquire", key, ttl_seconds=ttl, fingerprint=f"fp-{key}", wait_seconds=wait
+            )
             if got.status == 201 and got.token:
                 self.hold(key, got.token, ttl)
+            elif got.status == 409 and wait:
+                continue  # the server waited already
             elif got.status == 409:
                 wait = (got.body or {}).get("retry_after_seconds", 1)
                 self.sleep(min(float(wait), rng.uniform(0.01, 0.3)))
@@ -150,7 +157,10 @@ class Worker:
         while self.more():
             key = f"{self.config.process}-{self.index}-{n}"
             n += 1
-            got = self.sent("acquire", key, ttl_seconds=3600, fingerprint=f"fp-{key}")
+            wait = rng.choice([0, 2])  # a fresh key: waiting changes nothing, must break nothing
+            got = self.sent(
+                "acquire", key, ttl_seconds=3600, fingerprint=f"fp-{key}", wait_seconds=wait
+            )
             if got.status != 201 or not got.token:
                 continue
             token = got.token

@@ -25,6 +25,7 @@ from leasekeeper._core.validation import (
     MAX_FINGERPRINT_CHARS,
     MAX_KEY_CHARS,
     MAX_TTL_SECONDS,
+    MAX_WAIT_SECONDS,
     MIN_BARE_KEY_BITS,
     MIN_BARE_KEY_CHARS,
 )
@@ -94,6 +95,7 @@ FIELD_RULES: dict[str, str] = {
     "key": "must be a string",
     "ttl_seconds": f"must be a JSON integer from 1 to {MAX_TTL_SECONDS}",
     "fingerprint": f"must be a string of 1 to {MAX_FINGERPRINT_CHARS} characters",
+    "wait_seconds": f"must be a JSON integer from 0 to {MAX_WAIT_SECONDS}",
     "owner_token": f"must be {OWNER_PREFIX} followed by {ENCODED_CHARS} base64url "
     "characters, as returned by acquire",
     "result": "is required and may be any JSON value",
@@ -168,6 +170,12 @@ class AcquireBody(_KeyBody):
             description=f"1 to {MAX_FINGERPRINT_CHARS} characters. Binds the key to its input "
             "for the lifecycle; absent is a binding too.",
         )
+    )
+    wait_seconds: Annotated[int, Field(ge=0, le=MAX_WAIT_SECONDS)] | None = Field(
+        default=0,
+        description=f"0 to {MAX_WAIT_SECONDS}, default 0 (null too means 0): while the key is "
+        "held, wait up to this many seconds for it to be released, expire or be completed, "
+        "instead of answering held at once",
     )
 
 

@@ -112,7 +112,10 @@ def serve(host: str | None, port: int | None, store: str | None) -> None:
     serve_connection_limit_with(app.at_connection_limit())
     slow_headers = app.metrics.slow_clients.labels("headers")
     protocol = guard_protocol(
-        uvicorn_protocol(), settings.request_timeout_seconds, on_timeout=slow_headers.inc
+        uvicorn_protocol(),
+        settings.request_timeout_seconds,
+        on_timeout=slow_headers.inc,
+        on_stop=service.stop_waiting,
     )
     log.info("leasekeeper starting on %s (store: %s)", address, describe_store(service.store))
     _tune_gc()

@@ -9,6 +9,7 @@ the exceptions of ``leasekeeper._errors``; each carries its own body.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -55,7 +56,8 @@ from leasekeeper._schemas import (
     RenewBody,
     parse_body,
 )
-from leasekeeper.store import MAX_RAISED_FENCE, LiveCounter, Purged, Store
+from leasekeeper._waiting import Timers, Waiting
+from leasekeeper.store import MAX_RAISED_FENCE, ChangeFeed, LiveCounter, Purged, Store
 
 __all__ = ["OPERATIONS", "LeaseService", "Reply", "ServiceObserver", "clean_up_every"]
 
@@ -107,7 +109,9 @@ class LeaseService:
     ``monotonic`` are its timing (tests pass fakes). ``random_bytes`` supplies the
     randomness for namespaces and owner tokens (by default ``os.urandom``, the OS's
     CSPRNG; tests may inject a deterministic source); ``lifecycle_seconds`` is the
-    length of a key's lifecycle (``LEASEKEEPER_LIFECYCLE_SECONDS``).
+    length of a key's lifecycle (``LEASEKEEPER_LIFECYCLE_SECONDS``). ``timers`` are
+    where acquires that wait (``wait_seconds``) read time and set timers (by default
+    the event loop's; tests pass timers that follow a fake clock).
     """
 
     def __init__(
@@ -120,6 +124,7 @@ class LeaseService:
         random_bytes: Callable[[int], bytes] | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         monotonic: Callable[[], float] = time.perf_counter,
+        timers: Timers | None = None,
     ) -> None:
         self.store = store
         self._lifecycle_ms = lifecycle_seconds * 1000
@@ -129,6 +134,12 @@ class LeaseService:
         self._monotonic = monotonic
         self._random = random_bytes or os.urandom
         self._observers: list[ServiceObserver] = []
+        feed = store if isinstance(store, ChangeFeed) else None
+        self.waiting = Waiting(timers, None if feed is None else feed.recheck_seconds)
+        if feed is not None:
+            feed.on_change(self.waiting.changed)
+        #: Releases of leases granted to waiters whose client went away meanwhile.
+        self._orphans: set[asyncio.Task[None]] = set()
 
     @property
     def lifecycle_seconds(self) -> int:
@@ -142,9 +153,18 @@ class LeaseService:
     async def start(self) -> None:
         """Open the store (idempotent)."""
         await self.store.open()
+        self.waiting.start()
+
+    def stop_waiting(self) -> None:
+        """Answer every waiting acquire now (409 held), and every acquire from now on
+        without waiting: the server is stopping (idempotent)."""
+        self.waiting.stop()
 
     async def stop(self) -> None:
-        """Close the store (idempotent)."""
+        """Answer the waiting acquires, then close the store (idempotent)."""
+        self.waiting.stop()
+        if self._orphans:
+            await asyncio.wait(self._orphans)
         await self.store.close()
 
     async def ready(self) -> None:
@@ -184,7 +204,22 @@ class LeaseService:
         command = Acquire(
             key_id, fingerprint, ttl * 1000, secrets.owner_digest(token), self._lifecycle_ms
         )
-        outcome = await self._apply("acquire", command)
+        wait = body.wait_seconds or 0
+        waiting = self.waiting
+        if not wait or waiting.stopping:
+            outcome = await self._apply("acquire", command)
+        elif waiting.queued(key_id):  # behind the waiters already there (_waiting says why)
+            outcome = await waiting.wait(command, None, wait, self._acquire_for_waiter)
+        else:
+            mark = waiting.watch(key_id)
+            try:
+                outcome = await self._acquire_for_waiter(command)
+            finally:
+                stale = waiting.missed(key_id, mark)
+            if isinstance(outcome, Held):
+                outcome = await waiting.wait(
+                    command, outcome, wait, self._acquire_for_waiter, stale=stale
+                )
         if isinstance(outcome, Granted):
             record, now = outcome.record, outcome.now_ms
             return Reply(
@@ -229,6 +264,7 @@ class LeaseService:
         outcome = await self._owner_step("release", command)
         if not isinstance(outcome, Released):
             raise _unexpected(outcome)
+        self.waiting.changed(command.key_id)
         return Reply(
             {"ok": True, "status": "released", "fencing_token": outcome.record.fencing_token}
         )
@@ -240,6 +276,7 @@ class LeaseService:
         outcome = await self._owner_step("complete", command)
         if not isinstance(outcome, CompletedOutcome):
             raise _unexpected(outcome)
+        self.waiting.changed(command.key_id)
         return _completed_reply(outcome.record)
 
     async def cleanup(self) -> int:
@@ -289,6 +326,41 @@ class LeaseService:
     @staticmethod
     def _key_id(body: RenewBody | ReleaseBody | CompleteBody) -> bytes:
         return secrets.key_id(body.namespace_secret(), body.key)
+
+    async def _acquire_for_waiter(self, command: Acquire) -> Outcome:
+        """Decide ``command`` for an acquire that may wait. Cancelled meanwhile (its
+        client went away), the decision still completes, and a lease it granted is
+        released at once: nobody holds its token, and the key is free for the next."""
+        deciding = asyncio.ensure_future(self._apply("acquire", command))
+        try:
+            return await asyncio.shield(deciding)
+        except asyncio.CancelledError:
+            deciding.add_done_callback(functools.partial(self._release_orphan, command))
+            raise
+
+    def _release_orphan(self, command: Acquire, deciding: asyncio.Future[Outcome]) -> None:
+        if deciding.cancelled() or deciding.exception() is not None:
+            return
+        if isinstance(deciding.result(), Granted):
+            task = asyncio.ensure_future(self._release_unsent(command.key_id, command.owner))
+            self._orphans.add(task)
+            task.add_done_callback(self._orphans.discard)
+
+    async def _release_unsent(self, key_id: bytes, owner: bytes) -> None:
+        """Release a lease granted to an acquire whose answer was never sent."""
+        try:
+            await self._apply("release", Release(key_id, owner))
+        except LeaseError as error:  # it expires by its TTL then
+            log.warning("releasing a lease whose client went away failed: %s", error.error)
+        self.waiting.changed(key_id)
+
+    async def release_unsent(self, body: AcquireBody, reply: Reply) -> None:
+        """Release the lease of ``reply`` (to ``body``), which could not be sent: its
+        client went away while it was being granted (an adapter's call)."""
+        token = reply.body.get("owner_token")
+        if reply.created and isinstance(token, str):
+            ns = body.namespace_secret()
+            await self._release_unsent(secrets.key_id(ns, body.key), secrets.owner_digest(token))
 
     async def _owner_step(self, operation: str, command: Command) -> object:
         outcome = await self._apply(operation, command)

@@ -22,6 +22,7 @@ __all__ = [
     "MAX_KEY_CHARS",
     "MAX_RESULT_BYTES",
     "MAX_TTL_SECONDS",
+    "MAX_WAIT_SECONDS",
     "MIN_BARE_KEY_BITS",
     "MIN_BARE_KEY_CHARS",
     "NOT_AN_OBJECT",
@@ -50,6 +51,7 @@ MIN_BARE_KEY_CHARS = 32  # a key without a namespace: this long, printable ASCII
 MIN_BARE_KEY_BITS = 100.0  # and this random
 MAX_FINGERPRINT_CHARS = 1024
 MAX_RESULT_BYTES = 32_768  # a result's compact JSON encoding, as submitted
+MAX_WAIT_SECONDS = 60  # how long an acquire may wait for a held key
 #: Character ranges, written as both Python's re and JSON Schema read them inside ``[]``:
 #: what a key may not contain, and what a bare key is made of.
 CONTROL_CHARACTERS = r"\x00-\x1f\x7f-\x9f"

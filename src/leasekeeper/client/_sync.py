@@ -60,7 +60,7 @@ from leasekeeper.client._results import (
     parse_namespace,
     parse_released,
 )
-from leasekeeper.client._timing import RenewalPlan, acquire_delay, as_seconds
+from leasekeeper.client._timing import RenewalPlan, acquire_delay, as_seconds, server_wait
 
 __all__ = ["HeldLease", "LeaseClient"]
 
@@ -192,8 +192,10 @@ class LeaseClient:
         on_wait: OnWait | None = None,
     ) -> Lease | Completed:
         """Take the lease on ``key``: a ``Lease`` (yours now) or the ``Completed`` result.
-        With ``wait`` (seconds, a ``timedelta``, ``math.inf``) a held key, a rate limit or
-        an outage is retried with backoff; ``on_wait(error, delay)`` is told of each pause.
+        With ``wait`` (seconds, a ``timedelta``, ``math.inf``) a held key is waited for by
+        the service, and a rate limit or an outage is retried with backoff;
+        ``on_wait(error, delay)`` is told of each pause, and of each wait on the service
+        that ended held (``delay`` 0: asked again at once).
         ``OutcomeUnknown`` when an attempt may have been granted a lease whose token was
         lost: never ``LeaseHeld`` after one, since the holder may be that lease."""
         outcome, _ = self._acquire(namespace, key, ttl, fingerprint, wait, on_wait)
@@ -208,18 +210,31 @@ class LeaseClient:
         wait: Wait,
         on_wait: OnWait | None,
     ) -> tuple[Lease | Completed, float]:
-        """Acquire, waiting as ``acquire`` does; also returns when the winning request was sent."""
+        """Acquire, waiting as ``acquire`` does; also returns when the winning request was
+        sent. A held key is waited for by the server (``wait_seconds``, up to a minute per
+        request), which hands the key over the moment it is free; the client itself waits
+        only out the last fraction of a second, and out rate limits and outages."""
         body = lease_body(namespace=namespace, key=key, ttl_seconds=ttl, fingerprint=fingerprint)
         deadline = self._monotonic() + as_seconds(wait)
         attempt = 0
         unknown: OutcomeUnknown | None = None
         while True:
             sent_at = self._monotonic()
+            waits = server_wait(deadline - sent_at)
             try:
-                return parse_acquire(self._post("/lease", body)), sent_at
+                if not waits:
+                    return parse_acquire(self._post("/lease", body)), sent_at
+                asked = {**body, "wait_seconds": waits}
+                answer = self._post("/lease", asked, self.timeout + waits)
+                return parse_acquire(answer), sent_at
             except WAITABLE as error:
                 if isinstance(error, OutcomeUnknown):
                     unknown = error
+                if waits and isinstance(error, LeaseHeld):
+                    # The server waited: ask it to wait on, at once (progress is told).
+                    if on_wait is not None:
+                        on_wait(error, 0.0)
+                    continue
                 delay = acquire_delay(
                     attempt,
                     error.retry_after or 0,

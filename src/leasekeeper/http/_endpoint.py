@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -13,7 +15,8 @@ from leasekeeper._core.validation import UTF8_BOM
 from leasekeeper._errors import InternalError, LeaseError
 from leasekeeper._limits import Limits
 from leasekeeper._metrics import Metrics
-from leasekeeper._service import LeaseService
+from leasekeeper._schemas import AcquireBody, parse_body
+from leasekeeper._service import LeaseService, Reply
 from leasekeeper.http._errors import error_parts
 
 __all__ = ["CLIENT_GONE", "SECURITY_HEADERS", "LeaseEndpoint", "send_json"]
@@ -45,6 +48,12 @@ async def send_json(
         headers.append((b"x-request-id", request_id))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Return when the client disconnects (its body has been read: nothing else comes)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class LeaseEndpoint:
@@ -105,8 +114,35 @@ class LeaseEndpoint:
         else:
             data = parse_json_object(raw)
         limits.enforce(scope, self.operation, data, address=False)
-        reply = await self.service.handle(self.operation, data)
+        if self.operation == "acquire" and data.get("wait_seconds"):
+            reply = await self._unless_gone(data, receive)
+        else:
+            reply = await self.service.handle(self.operation, data)
         return 201 if reply.created else 200, reply.json_bytes()
+
+    async def _unless_gone(self, data: dict[str, Any], receive: Receive) -> Reply:
+        """An acquire that may wait, given up (``ClientGone``) when its client disconnects
+        first: the service grants it nothing then, and a lease granted in the same moment
+        is released, so the key stays free for the next waiter."""
+        body = parse_body(AcquireBody, data)
+        acquiring = asyncio.ensure_future(self.service.acquire(body))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        client_gone = True
+        try:
+            await asyncio.wait((acquiring, gone), return_when=asyncio.FIRST_COMPLETED)
+            client_gone = gone.done()
+        finally:
+            if not gone.done():
+                gone.cancel()
+            if not acquiring.done():
+                acquiring.cancel()
+                with contextlib.suppress(asyncio.CancelledError, LeaseError):
+                    await acquiring
+        if client_gone:
+            if not acquiring.cancelled() and acquiring.exception() is None:
+                await self.service.release_unsent(body, acquiring.result())
+            raise ClientGone
+        return acquiring.result()
 
     def _slow_body(self) -> None:
         self.metrics.slow_clients.labels("body").inc()

@@ -185,6 +185,9 @@ class _SlowClientGuard(_Uvicorn):
 
     request_timeout: float  # set by guard_protocol
     on_timeout: Callable[[], None] | None
+    #: Called when the server begins to stop (each connection is told): it answers the
+    #: requests that wait (``LeaseService.stop_waiting``) rather than keep the stop waiting.
+    on_stop: Callable[[], None] | None = None
     _lk_timer: asyncio.TimerHandle | None = None
     #: Set while the send buffer is full: the client must take its answers by then.
     _lk_write_timer: asyncio.TimerHandle | None = None
@@ -279,6 +282,11 @@ class _SlowClientGuard(_Uvicorn):
                 self.on_timeout()
             self.transport.write(_TIMED_OUT)
             self.transport.close()
+
+    def shutdown(self) -> None:
+        if self.on_stop is not None:
+            self.on_stop()
+        super().shutdown()
 
 
 class _IgnoredUpgrade(_Uvicorn):
@@ -556,6 +564,7 @@ def guard_protocol(
     base: type[asyncio.Protocol],
     request_timeout: float,
     on_timeout: Callable[[], None] | None = None,
+    on_stop: Callable[[], None] | None = None,
 ) -> type[asyncio.Protocol]:
     """``base`` (uvicorn's httptools or h11 protocol) with the slow-client guard, and on
     httptools with upgrade offers ignored and the pipeline bounded (h11 does both
@@ -568,7 +577,8 @@ def guard_protocol(
     if missing:
         raise RuntimeError(_refusal(missing))
     hook = staticmethod(on_timeout) if on_timeout is not None else None
-    namespace = {"request_timeout": request_timeout, "on_timeout": hook}
+    stop = staticmethod(on_stop) if on_stop is not None else None
+    namespace = {"request_timeout": request_timeout, "on_timeout": hook, "on_stop": stop}
     mixins: tuple[type, ...] = (_SlowClientGuard,)
     if hasattr(base, "on_headers_complete"):  # httptools' callbacks: uvicorn's httptools protocol
         mixins = (_BoundedPipeline, _IgnoredUpgrade)

@@ -31,6 +31,7 @@ from leasekeeper._core.validation import (
     MAX_KEY_CHARS,
     MAX_RESULT_BYTES,
     MAX_TTL_SECONDS,
+    MAX_WAIT_SECONDS,
     MIN_BARE_KEY_BITS,
     MIN_BARE_KEY_CHARS,
     SECRET_WORDS,
@@ -98,6 +99,12 @@ _ARGUMENTS: Final = {
         "fingerprint, or to having none, for the key's 24-hour lifecycle; an acquire with a "
         "different one gets status conflict. Send the same fingerprint every time for the same "
         "job. Treat it as a secret."
+    ),
+    "wait_seconds": (
+        f"Seconds to wait, 0 to {MAX_WAIT_SECONDS} (default 0), when another worker holds the "
+        "lease: the call returns as soon as the lease is handed to you (held), the job is "
+        "completed (completed, with its result) or the time runs out (held). Use it when you "
+        "have nothing else to do until the job is free or done, instead of calling again."
     ),
     "owner_token": (
         f"The owner_token that acquire_lease returned to you ({OWNER_PREFIX} followed by "
@@ -174,8 +181,10 @@ _TOOLS: Final = (
             '- "completed" (ok true): the job was done before; `result` is its stored result. '
             "Reuse it and do not do the work again. No owner token is issued.\n"
             'Tool errors (ok false):\n- "held": another worker owns the lease right now. Do '
-            "not do the work. Wait retry_after_seconds, then call acquire_lease again (you "
-            "may then get the completed result), or do something else meanwhile.\n"
+            "not do the work. If you have nothing else to do until it is free or done, call "
+            f"acquire_lease again with wait_seconds (up to {MAX_WAIT_SECONDS}): the call waits "
+            "and returns as soon as the lease is yours or the job is completed. Otherwise do "
+            "something else and call again after retry_after_seconds.\n"
             '- "conflict": this key was already used with a different fingerprint (different '
             "input) within its 24-hour lifecycle. Use a new key for different input; never "
             "reuse a key for other work.\n" + _ERRORS_ANY_TOOL

@@ -17,6 +17,7 @@ from leasekeeper._clock import Clock
 from leasekeeper.store._base import (
     MAX_FENCING_TOKEN,
     MAX_RAISED_FENCE,
+    ChangeFeed,
     Durable,
     LiveCounter,
     Purged,
@@ -29,6 +30,7 @@ from leasekeeper.store._sqlite import SqliteStore
 __all__ = [
     "MAX_FENCING_TOKEN",
     "MAX_RAISED_FENCE",
+    "ChangeFeed",
     "Durable",
     "LiveCounter",
     "MemoryStore",

@@ -19,6 +19,7 @@ from leasekeeper._errors import InternalError, LeaseError, ServiceUnavailable
 __all__ = [
     "MAX_FENCING_TOKEN",
     "MAX_RAISED_FENCE",
+    "ChangeFeed",
     "Durable",
     "LiveCounter",
     "Purged",
@@ -90,6 +91,24 @@ class LiveCounter(Protocol):
     async def count_live(self) -> int:
         """Leases held at the store's ``now``: may be a scan, must not delay ``apply``,
         and is read every few seconds at most."""
+        ...
+
+
+@runtime_checkable
+class ChangeFeed(Protocol):
+    """A store shared by several service instances that tells each of them about the
+    releases and completions committed at any of them (waiting acquires wake on them).
+    A store only one instance writes to needs none: that instance knows its own."""
+
+    #: How often a waiting acquire asks the store again although it heard of no
+    #: change: the most a missed notification delays it.
+    recheck_seconds: float
+
+    def on_change(self, callback: Callable[[bytes | None], None]) -> None:
+        """Call ``callback(key_id)``, on the event loop that opened the store, after a
+        release or completion of ``key_id`` committed at any instance (this one too), and
+        ``callback(None)`` when some may have been missed (the feed reconnected). Set
+        before ``open``."""
         ...
 
 

@@ -18,9 +18,11 @@ dead connections by itself, so the store recovers when the database is back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, TypeVar
 
@@ -30,7 +32,14 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from leasekeeper._clock import Clock, elapsed_ns
-from leasekeeper._core.model import Command, Decision
+from leasekeeper._core.model import (
+    Command,
+    Complete,
+    CompletedOutcome,
+    Decision,
+    Release,
+    Released,
+)
 from leasekeeper._errors import LeaseError, OutcomeUnknown, ServiceUnavailable
 from leasekeeper.store import _postgres_sql as sql
 from leasekeeper.store._base import Purged, Refusals, Throttled, decide_in_turn
@@ -114,6 +123,48 @@ class PostgresStore:
             log=log,
             runners=self._max_batches,
         )
+        self._on_change: Callable[[bytes | None], None] | None = None
+        self._listener: asyncio.Task[None] | None = None
+
+    #: How often a waiting acquire asks again without a notification (``ChangeFeed``).
+    recheck_seconds: Final = 2.0
+
+    def on_change(self, callback: Callable[[bytes | None], None]) -> None:
+        """Call ``callback`` on the releases and completions of every instance: they
+        NOTIFY in the transaction that writes them, and each instance LISTENs on a
+        connection of its own (``_listen``)."""
+        self._on_change = callback
+
+    async def _listen(
+        self, callback: Callable[[bytes | None], None], listening: asyncio.Event
+    ) -> None:
+        """LISTEN for changes on a connection of its own, for as long as the store is
+        open (``listening`` is set once it does); reconnected with backoff when it
+        fails, and then ``callback(None)``: what was committed meanwhile went unheard."""
+        pause = 0.1
+        again = False  # the first LISTEN comes as the store opens: nothing to have missed
+        while True:
+            try:
+                conn = await psycopg.AsyncConnection.connect(self._conninfo, autocommit=True)
+                try:
+                    await conn.execute(sql.LISTEN)
+                    if again:
+                        callback(None)
+                    again = True
+                    listening.set()
+                    pause = 0.1
+                    async for note in conn.notifies():
+                        try:
+                            key_id = bytes.fromhex(note.payload)
+                        except ValueError:  # not ours: the channel is shared by name
+                            continue
+                        callback(key_id)
+                finally:
+                    await conn.close()
+            except psycopg.Error as exc:
+                self._failures.log("listening for changes failed: %s", describe(exc))
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, self.recheck_seconds)
 
     async def open(self) -> None:
         async with self._open_lock:
@@ -132,6 +183,14 @@ class PostgresStore:
                     pool = await self._new_pool(self._conninfo)
                 async with asyncio.timeout(self._timeout * 2), pool.connection() as conn:
                     await sql.migrate(conn, self.schema)
+                if self._on_change is not None:
+                    listening = asyncio.Event()
+                    self._listener = asyncio.create_task(self._listen(self._on_change, listening))
+                    # Open once changes are heard; failing that, the waiters' re-checks
+                    # cover until the listener connects.
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self._timeout):
+                            await listening.wait()
             except BaseException as exc:
                 if pool is not None:
                     await pool.close()
@@ -185,7 +244,12 @@ class PostgresStore:
             pool, self._pool = self._pool, None
             if pool is None:
                 return
+            listener, self._listener = self._listener, None
+            if listener is not None:
+                listener.cancel()
             tasks = [*self._runner.tasks, *self._batcher.tasks]
+            if listener is not None:
+                tasks.append(listener)
             for task in tasks:
                 task.cancel()
             if tasks:
@@ -391,6 +455,8 @@ class PostgresStore:
             inserted = None
             if inserts:
                 inserted = await conn.execute(sql.INSERT_MANY, sql.columns(inserts), prepare=False)
+            if self._on_change is not None and (changed := _changed(results)):
+                await conn.execute(sql.NOTIFY_CHANGED, (changed,))
             attempt.written = list(writes.values())
             attempt.updated = {w.key_id for w in updates}
             attempt.resolve = functools.partial(_split, results, set(writes))
@@ -436,6 +502,17 @@ def _split(results: _Results, written: set[bytes], landed: set[bytes] | None) ->
         else:
             again.append(request)
     return _Batch(answered, again)
+
+
+def _changed(results: _Results) -> list[str]:
+    """The keys (hex key ids) this batch released or completed: what waiters wake on."""
+    return [
+        request.item.key_id.hex()
+        for request, decided in results
+        if isinstance(request.item, Release | Complete)
+        and isinstance(decided, Decision)
+        and isinstance(decided.outcome, Released | CompletedOutcome)
+    ]
 
 
 def _unknown() -> OutcomeUnknown:

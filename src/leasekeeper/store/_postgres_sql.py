@@ -122,6 +122,10 @@ LOCK_ROWS: Final = (
     "WHERE key_id = ANY(%s) ORDER BY key_id FOR UPDATE"
 )
 NEXT_FENCES: Final = "SELECT nextval('leasekeeper_fence') FROM generate_series(1, %s)"
+#: Every instance hears of releases and completions on the channel leasekeeper_keys
+#: (the key id's hex digest, never a secret), delivered when the transaction commits.
+NOTIFY_CHANGED: Final = "SELECT pg_notify('leasekeeper_keys', k) FROM unnest(%s::text[]) AS k"
+LISTEN: Final = "LISTEN leasekeeper_keys"
 # The nine columns of a list of records, as arrays (``columns``), as rows ``v``.
 _UNNEST: Final = (
     "FROM unnest(%s::bytea[], %s::bytea[], %s::bigint[], %s::bigint[], %s::bytea[], "

@@ -308,7 +308,9 @@ class Progress:
         else:
             why = f"the service answered {error.status}"
         limit = "no limit" if self.wait == float("inf") else f"{self.wait:g} s"
-        self.say(f"{why}; trying again in {delay:.1f} s (waited {waited:.0f} s of {limit})")
+        # delay 0: a wait on the service ended held, and it is asked to wait on.
+        again = f"trying again in {delay:.1f} s" if delay else "waiting on"
+        self.say(f"{why}; {again} (waited {waited:.0f} s of {limit})")
 
 
 progress_option = click.option(
