@@ -297,7 +297,7 @@ def _once(
             if damage is not None:
                 click.echo(
                     f"{command} refused: {damage}; "
-                    "restore it from a backup as the README says (Operations, Durability)",
+                    "restore it from a backup (the docs: Operations, Durability)",
                     err=True,
                 )
                 sys.exit(1)

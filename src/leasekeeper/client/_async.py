@@ -81,7 +81,7 @@ P = ParamSpec("P")
 
 
 class AsyncLeaseClient:
-    """A client for the leasekeeper HTTP API (the README's "Python client" says it all).
+    """A client for the leasekeeper HTTP API (docs/python-client.md says it all).
 
     It opens its own ``httpx.AsyncClient`` unless given ``client=`` (whose ``base_url``
     applies when ``base_url`` is not given) or ``transport=``. A refusal raises the
@@ -396,8 +396,8 @@ class AsyncHeldLease(HeldLeaseBase["AsyncLeaseClient"]):
 
     A key already completed with this fingerprint gives ``completed`` and the stored
     ``result``. If ownership ends early, ``lost`` is set, ``lost_error`` says why,
-    ``on_lost`` is called and ``check()`` raises ``LeaseLost`` (the README's "How the
-    client behaves" says every case).
+    ``on_lost`` is called and ``check()`` raises ``LeaseLost`` (docs/python-client.md,
+    "How a held lease behaves", says every case).
     """
 
     _NAME = "AsyncHeldLease"

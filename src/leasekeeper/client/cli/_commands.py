@@ -4,7 +4,7 @@ options every client command takes.
 Each command parses its options, makes one call, prints the service's JSON body and
 exits with the code of its outcome (``_output``). Secrets never go on the command line,
 where ``ps`` would show them: they come from environment variables or files (``-``:
-stdin), as the README's "Command line" says.
+stdin), as docs/cli.md says.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""How a client command ends: what it prints, and its exit code (the README's table).
+"""How a client command ends: what it prints, and its exit code (docs/cli.md, "Exit codes").
 
 A command prints the service's JSON body on stdout (an error's on stdout too, or on
 stderr for ``run``, whose stdout is its command's). ``run`` exits with its command's
