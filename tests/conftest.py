@@ -17,6 +17,7 @@ import math
 import os
 import re
 import secrets
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,12 @@ from starlette.testclient import TestClient
 from leasekeeper import FakeClock, LeaseService, ServiceUnavailable, Settings
 from leasekeeper.http import create_app
 from leasekeeper.store import MemoryStore, SqliteStore, Store
+
+# A suite started in the background by a non-interactive shell (`make test &`) inherits
+# SIGINT and SIGQUIT ignored, and so would every process the tests start: the tests of
+# Ctrl-C and SIGQUIT need them as a terminal leaves them.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 BASE = "/services/v1"
 STORE_KINDS = ["memory", "sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]

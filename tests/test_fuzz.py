@@ -6,9 +6,9 @@ on the store). Phases: examples (the document's request examples), coverage
 negative, i.e. mutated, data). The stateful phase has nothing to run: the document
 declares no links. Checks: every built-in one, except that a schema-valid request may
 be refused for the two rules JSON Schema cannot state (the document's descriptions
-say them): a key without a namespace needs 100 bits of entropy, and ``ttl_seconds``
-must be written as an integer (``60.0`` is an integer to JSON Schema); and a mint body
-of JSON whitespace only counts as no body.
+say them): a key without a namespace needs 100 bits of entropy, and ``ttl_seconds`` and
+``wait_seconds`` must be written as integers (``60.0`` is an integer to JSON Schema); and
+a mint body of JSON whitespace only counts as no body.
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ SOAK = schemathesis.openapi.from_asgi("/openapi.json", APP, config=_config(1000)
 def positive_data_acceptance_but_entropy(ctx: Any, response: Any, case: Any) -> bool | None:
     """positive_data_acceptance, except for the two rules JSON Schema cannot state.
 
-    A key without a namespace needs 100 bits of entropy; ``ttl_seconds`` must be written
-    as an integer (``60.0`` is an integer to JSON Schema, and a float to the spec).
+    A key without a namespace needs 100 bits of entropy; ``ttl_seconds`` and
+    ``wait_seconds`` must be written as integers (``60.0`` is an integer to JSON Schema,
+    and a float to the spec).
     """
     meta = case.meta
     if meta is not None and meta.generation.mode.is_positive and response.status_code == 400:
@@ -68,8 +69,9 @@ def positive_data_acceptance_but_entropy(ctx: Any, response: Any, case: Any) -> 
         if "at least 100 bits of entropy" in error:
             return None
         body = case.body if isinstance(case.body, dict) else {}
-        if error.startswith("Invalid ttl_seconds") and isinstance(body.get("ttl_seconds"), float):
-            return None
+        field = error.removeprefix("Invalid ").partition(":")[0]
+        if error.startswith("Invalid ") and isinstance(body.get(field), float):
+            return None  # ttl_seconds or wait_seconds written as 60.0
     result: bool | None = positive_data_acceptance(ctx, response, case)
     return result
 

@@ -173,9 +173,10 @@ class AcquireBody(_KeyBody):
     )
     wait_seconds: Annotated[int, Field(ge=0, le=MAX_WAIT_SECONDS)] | None = Field(
         default=0,
-        description=f"0 to {MAX_WAIT_SECONDS}, default 0 (null too means 0): while the key is "
-        "held, wait up to this many seconds for it to be released, expire or be completed, "
-        "instead of answering held at once",
+        description=f"0 to {MAX_WAIT_SECONDS}, default 0 (null too means 0), a JSON integer "
+        "written without a fraction or exponent: while the key is held, wait up to this many "
+        "seconds for it to be released, expire or be completed, instead of answering held at "
+        "once",
     )
 
 
