@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from datetime import timedelta
 
+from leasekeeper._core.validation import MAX_WAIT_SECONDS
+
 __all__ = [
     "FIRST_POLL_SECONDS",
     "MAX_HOLD_OFF_SECONDS",
@@ -27,8 +29,6 @@ FIRST_POLL_SECONDS = 0.25
 MAX_POLL_SECONDS = 30.0
 #: The longest ``Retry-After`` a 429 or 503 is obeyed for (a proxy's may say a year).
 MAX_HOLD_OFF_SECONDS = 300.0
-#: The longest wait one acquire asks the server for (``wait_seconds``).
-MAX_SERVER_WAIT_SECONDS = 60
 #: The shortest pause between two renewal attempts after a failure.
 MIN_RETRY_SECONDS = 0.1
 #: Jitter added to a wait, as a fraction of it, so waiting workers spread out.
@@ -47,9 +47,9 @@ def as_seconds(wait: float | timedelta | None) -> float:
 
 def server_wait(remaining: float) -> int:
     """The ``wait_seconds`` of the next acquire with ``remaining`` seconds left to wait:
-    whole seconds, at most ``MAX_SERVER_WAIT_SECONDS`` (a longer wait takes several
+    whole seconds, at most ``MAX_WAIT_SECONDS`` (a longer wait takes several
     acquires); 0 under a second, which the client waits out itself."""
-    return int(min(remaining, MAX_SERVER_WAIT_SECONDS)) if remaining >= 1 else 0
+    return int(min(remaining, MAX_WAIT_SECONDS)) if remaining >= 1 else 0
 
 
 def acquire_delay(
