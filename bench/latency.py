@@ -57,7 +57,7 @@ MEASURES = (
     "async once",
     FDATASYNC,
 )
-#: The targets of issue 39 (ratios of p50s in one run; the wrk p50 in ms).
+#: The one-client targets of docs/performance.md (ratios of p50s in one run; the wrk p50 in ms).
 PAIR_OVER_REDIS = 1.5
 ASYNC_OVER_SYNC = 1.2
 WRK_P50_MS = 0.40
@@ -95,7 +95,7 @@ def report(stage: dict[str, Any]) -> str:
 
 
 def targets(stage: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
-    """Issue 39's targets from a stage's figures: (name, measured, goal, met)."""
+    """The one-client targets from a stage's figures: (name, measured, goal, met)."""
     results = stage["results"]
     out = []
     pair, redis = results.get("sync pair"), results.get(REDIS)

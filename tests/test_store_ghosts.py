@@ -1,4 +1,4 @@
-"""A 503 means nothing was written: issue 40's scenario, on SQLite and PostgreSQL.
+"""A 503 means nothing was written: the store's lock held around the deadline, both stores.
 
 Another connection holds the store's lock (``BEGIN EXCLUSIVE`` on the SQLite file,
 ``LOCK TABLE … IN ACCESS EXCLUSIVE MODE`` on PostgreSQL) while 20 acquires with
