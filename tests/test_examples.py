@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import ssl
 import subprocess
@@ -30,6 +29,7 @@ from leasekeeper.mcp import TOOL_OPERATIONS
 from tests._docs import DOCS, EXAMPLES, ROOT, all_blocks, titled
 from tests._server import Server, free_port, running_server
 from tests._stores import store_target
+from tests._tools import required, self_signed
 
 pytestmark = pytest.mark.slow
 
@@ -40,18 +40,6 @@ INSTALLED = "/opt/leasekeeper/.venv/bin/leasekeeper"
 INSTALLED_JOB = "/opt/leasekeeper/examples/nightly_report.sh"
 #: The environment cron gives a command (Debian's and cronie's): no PATH of yours.
 CRON_ENV = {"PATH": "/usr/bin:/bin", "SHELL": "/bin/sh", "LOGNAME": "cron"}
-
-
-def required(tool: str) -> str:
-    """The path of ``tool``: locally a missing one skips, in CI (which installs it) it fails."""
-    found = shutil.which(tool) or next(
-        (f"{d}/{tool}" for d in ("/usr/sbin", "/sbin") if Path(f"{d}/{tool}").exists()), None
-    )
-    if found is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI needs {tool} (.ci/run installs it)")
-        pytest.skip(f"needs {tool}")
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -343,37 +331,6 @@ def test_the_systemd_unit_verifies_and_its_exec_start_serves(tmp_path: Path) -> 
 
 
 # -- the nginx configuration --------------------------------------------------------------------
-
-
-def self_signed(directory: Path) -> tuple[Path, Path]:
-    openssl = required("openssl")
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        [
-            openssl,
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:prime256v1",
-            "-nodes",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=leases.example.com",
-            "-addext",
-            "subjectAltName=DNS:leases.example.com,IP:127.0.0.1",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    return cert, key
 
 
 @contextlib.contextmanager
