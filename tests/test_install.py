@@ -56,11 +56,16 @@ def requirement_name(requirement: str) -> str:
     return re.sub(r"[-_.]+", "-", name.group()).lower()
 
 
-def test_the_base_install_asks_for_httpx_click_and_sniffio_alone() -> None:
+def test_the_base_install_asks_for_httpx_httpcore_click_and_sniffio_alone() -> None:
     """``dependencies`` is the client's; every package of [server] and [postgres] is one
     the base-install test below checks is neither installed nor imported by the client."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert sorted(map(requirement_name, project["dependencies"])) == ["click", "httpx", "sniffio"]
+    assert sorted(map(requirement_name, project["dependencies"])) == [
+        "click",
+        "httpcore",
+        "httpx",
+        "sniffio",
+    ]
     extras = project["optional-dependencies"]
     server = {requirement_name(r) for r in extras["server"] + extras["postgres"]}
     assert server - ALSO_THE_CLIENTS <= SERVER_PACKAGES.keys()
@@ -218,8 +223,8 @@ def test_the_wheel_ships_the_package_its_data_and_the_client_alone_as_requiremen
     dist: Path,
 ) -> None:
     """Every file of the package (the key-guessing word list, ``py.typed``) and nothing
-    else; the command's entry point; metadata that asks for httpx, click and sniffio, the
-    server's packages under the ``server`` extra."""
+    else; the command's entry point; metadata that asks for httpx, httpcore, click and
+    sniffio, the server's packages under the ``server`` extra."""
     with zipfile.ZipFile(wheel(dist)) as archive:
         names = set(archive.namelist())
         metadata = Parser().parsestr(archive.read(_dist_info(names, "METADATA")).decode())
@@ -232,7 +237,7 @@ def test_the_wheel_ships_the_package_its_data_and_the_client_alone_as_requiremen
     assert metadata["License-Expression"] == "MIT"
     assert _dist_info(names, "licenses/LICENSE")
     base = sorted(r for r in metadata.get_all("Requires-Dist") if "extra ==" not in r)
-    assert [requirement_name(r) for r in base] == ["click", "httpx", "sniffio"]
+    assert [requirement_name(r) for r in base] == ["click", "httpcore", "httpx", "sniffio"]
     assert {"server", "postgres", "dev"} <= set(metadata.get_all("Provides-Extra"))
     assert "Programming Language :: Python :: 3.11" in metadata.get_all("Classifier")
 

@@ -1,10 +1,10 @@
 """The server is an extra: ``pip install leasekeeper`` installs the client alone.
 
 The client (``leasekeeper.client``, ``leasekeeper.web``, the client's commands) needs
-httpx, click and sniffio; the server's modules import packages (Starlette, uvicorn, pydantic,
-msgspec, orjson, the MCP SDK, prometheus-client) that only ``leasekeeper[server]``
-installs. Whatever loads the server goes through ``import_server``, so that a missing
-package is told as the command that installs it.
+httpx, httpcore, click and sniffio; the server's modules import packages (Starlette,
+uvicorn, pydantic, msgspec, orjson, the MCP SDK, prometheus-client) that only
+``leasekeeper[server]`` installs. Whatever loads the server goes through
+``import_server``, so that a missing package is told as the command that installs it.
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ from leasekeeper.client._http import (
     HEADERS,
     AsyncBodyReader,
     Direct,
+    async_own_transport,
     async_within,
     encode,
     http_root,
@@ -104,12 +105,17 @@ class AsyncLeaseClient:
         if client is not None and transport is not None:
             raise TypeError("pass either client= or transport=, not both")
         if client is None:
-            self._http = httpx.AsyncClient(
-                base_url=http_root(base_url), transport=transport, timeout=timeout
-            )
+            root, own = http_root(base_url), None
+            if transport is None:
+                # One TLS context, made as httpx makes it, for its transports and our own.
+                context = httpx.create_ssl_context()
+                self._http = httpx.AsyncClient(base_url=root, timeout=timeout, verify=context)
+                own = async_own_transport(context)
+            else:
+                self._http = httpx.AsyncClient(base_url=root, transport=transport, timeout=timeout)
             self._prefix = ""
             self._owns_http = True
-            self._direct: Direct | None = Direct(self._http, timeout)
+            self._direct: Direct | None = Direct(self._http, timeout, own)
         else:
             self._http = client
             self._prefix = route_prefix(base_url, client)
@@ -127,6 +133,8 @@ class AsyncLeaseClient:
         """Close the HTTP client if this object opened it."""
         if self._owns_http:
             await self._http.aclose()
+            if self._direct is not None and self._direct.own is not None:
+                await self._direct.own.aclose()
 
     async def __aenter__(self) -> AsyncLeaseClient:
         return self

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
+import ssl
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -25,6 +27,7 @@ from leasekeeper._errors import (
     ServiceUnreachable,
     error_from_body,
 )
+from leasekeeper.client._asyncio_backend import asyncio_transport
 
 __all__ = [
     "BASE_PATH",
@@ -36,11 +39,13 @@ __all__ = [
     "BodyReader",
     "Direct",
     "api_root",
+    "async_own_transport",
     "async_within",
     "decode",
     "encode",
     "http_root",
     "lease_body",
+    "own_transport",
     "read_response",
     "renewal_timeout",
     "route_prefix",
@@ -128,16 +133,25 @@ class Direct:
     which cost a third of its CPU per request (docs/performance.md, "Speed tricks").
     A URL with credentials goes through the client, which turns them into basic auth.
     The headers are the client's with ``HEADERS``; the timeout, the client's or the
-    request's own."""
+    request's own. Where the client would use its default transport, ``own()`` (when
+    given) is used instead, and kept as ``own`` for the caller to close."""
 
-    def __init__(self, client: httpx.Client | httpx.AsyncClient, timeout: float) -> None:
+    def __init__(
+        self,
+        client: httpx.Client | httpx.AsyncClient,
+        timeout: float,
+        own: Callable[[], Any] | None = None,
+    ) -> None:
         # (httpx's own lookup, private; without it, requests go through the client)
         # A URL with a user name or password: httpx's client sends it as basic auth.
         find = getattr(client, "_transport_for_url", None)
+        self.own: Any = None
         if find is None or client.base_url.userinfo:
             self.transport: Any = None
         else:
             self.transport = find(client.base_url)
+            if own is not None and self.transport is getattr(client, "_transport", None):
+                self.transport = self.own = own()
         headers = httpx.Headers(client.headers)
         headers.update(HEADERS)
         self._headers = headers.raw
@@ -280,6 +294,17 @@ class AsyncBodyReader(BodyReader):
 
     def __init__(self, limit: float | None, monotonic: Callable[[], float]) -> None:
         super().__init__(None, monotonic)
+
+
+def own_transport(context: ssl.SSLContext) -> Callable[[], None] | None:
+    """The sync twin of ``async_own_transport``: none, httpx's default transport serves."""
+    return None
+
+
+def async_own_transport(context: ssl.SSLContext) -> Callable[[], httpx.AsyncBaseTransport]:
+    """What makes the async client's own transport (``Direct``'s ``own``): httpx's, on
+    asyncio's sockets rather than anyio's (``_asyncio_backend``), with TLS by ``context``."""
+    return functools.partial(asyncio_transport, context)
 
 
 def within(limit: float | None) -> contextlib.nullcontext[None]:

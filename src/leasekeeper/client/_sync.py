@@ -43,6 +43,7 @@ from leasekeeper.client._http import (
     encode,
     http_root,
     lease_body,
+    own_transport,
     read_response,
     renewal_timeout,
     route_prefix,
@@ -93,12 +94,17 @@ class LeaseClient:
         if client is not None and transport is not None:
             raise TypeError("pass either client= or transport=, not both")
         if client is None:
-            self._http = httpx.Client(
-                base_url=http_root(base_url), transport=transport, timeout=timeout
-            )
+            root, own = http_root(base_url), None
+            if transport is None:
+                # One TLS context, made as httpx makes it, for its transports and our own.
+                context = httpx.create_ssl_context()
+                self._http = httpx.Client(base_url=root, timeout=timeout, verify=context)
+                own = own_transport(context)
+            else:
+                self._http = httpx.Client(base_url=root, transport=transport, timeout=timeout)
             self._prefix = ""
             self._owns_http = True
-            self._direct: Direct | None = Direct(self._http, timeout)
+            self._direct: Direct | None = Direct(self._http, timeout, own)
         else:
             self._http = client
             self._prefix = route_prefix(base_url, client)
@@ -116,6 +122,8 @@ class LeaseClient:
         """Close the HTTP client if this object opened it."""
         if self._owns_http:
             self._http.close()
+            if self._direct is not None and self._direct.own is not None:
+                self._direct.own.close()
 
     def __enter__(self) -> LeaseClient:
         return self
