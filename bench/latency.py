@@ -9,6 +9,9 @@ machine slows every figure alike:
 - ``redis lock``: redis-py's ``Lock`` acquire (``SET NX PX``) and release (a script),
 - ``sync pair`` / ``async pair``: ``LeaseClient.acquire`` then ``release`` (and the
   ``AsyncLeaseClient`` twins) on a new key,
+- ``stdlib pair``: the same two requests over the standard library's ``http.client``
+  and ``json``, no SDK: what the leanest Python client of this server takes, the floor
+  under the SDK's pair (``FLOOR``),
 - ``sync lease`` / ``async lease``: a ``with client.lease(...)`` block entered and left
   (acquire, the renewal worker started and stopped, release),
 - ``sync once`` / ``async once``: a ``once`` function called on a key already completed
@@ -28,12 +31,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import shutil
 import subprocess
 import tempfile
 import time
+import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -45,12 +50,14 @@ from bench._procs import Process, free_port, start_leasekeeper
 from bench._wrk import run_wrk
 
 REDIS = "redis lock"
+FLOOR = "stdlib pair"
 FDATASYNC = "fdatasync"
 #: The measures, in the order each block visits them.
 MEASURES = (
     REDIS,
     "sync pair",
     "async pair",
+    FLOOR,
     "sync lease",
     "async lease",
     "sync once",
@@ -101,10 +108,12 @@ def targets(stage: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
     pair, redis = results.get("sync pair"), results.get(REDIS)
     if pair and redis:
         r = pair["p50"] / redis["p50"]
+        floor = results.get(FLOOR)
+        under = f"; over http.client, no SDK: {floor['p50'] / redis['p50']:.2f}x" if floor else ""
         out.append(
             (
                 "SDK acquire + release at one client, SQLite, vs redis-py Lock",
-                f"p50 {pair['p50']:.2f} vs {redis['p50']:.2f} ms ({r:.2f}x)",
+                f"p50 {pair['p50']:.2f} vs {redis['p50']:.2f} ms ({r:.2f}x{under})",
                 f"<= {PAIR_OVER_REDIS}x",
                 r <= PAIR_OVER_REDIS,
             )
@@ -179,10 +188,11 @@ def start_redis(workdir: Path, wait: float = 30.0) -> tuple[Process, Any]:
 
 
 def _steps(
-    lk: Any, alk: Any, namespace: str, redis: Any, probe: int
+    lk: Any, alk: Any, namespace: str, redis: Any, probe: int, plain: Callable[[str, bytes], Any]
 ) -> dict[str, Callable[[], Any]]:
     """Each measure as one call: a plain function, or a coroutine function (async);
-    ``probe`` is the descriptor of the file the fdatasync measure writes."""
+    ``probe`` is the descriptor of the file the fdatasync measure writes, ``plain``
+    posts a body to a route over ``http.client`` (``_stdlib_poster``)."""
     count = iter(range(10**12))
     page = b"x" * 4096
     done = f"done-{uuid.uuid4().hex}"
@@ -199,6 +209,13 @@ def _steps(
         key = fresh()
         held = await alk.acquire(namespace, key, ttl=30)
         await alk.release(namespace, key, held.owner_token)
+
+    def stdlib_pair() -> None:
+        key = fresh()
+        body = {"namespace": namespace, "key": key, "ttl_seconds": 30}
+        held = plain("/lease/acquire", json.dumps(body).encode())
+        body = {"namespace": namespace, "key": key, "owner_token": held["owner_token"]}
+        plain("/lease/release", json.dumps(body).encode())
 
     def lease() -> None:
         with lk.lease(namespace, fresh(), ttl=30):
@@ -229,6 +246,7 @@ def _steps(
     steps |= {
         "sync pair": pair,
         "async pair": apair,
+        FLOOR: stdlib_pair,
         "sync lease": lease,
         "async lease": alease,
         "sync once": once,
@@ -248,10 +266,10 @@ def measure(
 
     samples: dict[str, list[float]] = {}
     probe = os.open(workdir / "fdatasync-probe", os.O_WRONLY | os.O_CREAT, 0o600)
-    with asyncio.Runner() as runner, LeaseClient(url) as lk:
+    with asyncio.Runner() as runner, LeaseClient(url) as lk, _stdlib_poster(url) as plain:
         alk = AsyncLeaseClient(url)
         try:
-            steps = _steps(lk, alk, namespace, redis, probe)
+            steps = _steps(lk, alk, namespace, redis, probe, plain)
             for name in steps:
                 samples[name] = []
             blocks = -(-pairs // block)
@@ -268,6 +286,28 @@ def measure(
             runner.run(alk.aclose())
             os.close(probe)
     return {name: summary(values[:pairs]) for name, values in samples.items()}
+
+
+@contextlib.contextmanager
+def _stdlib_poster(url: str) -> Iterator[Callable[[str, bytes], Any]]:
+    """A function posting JSON to a lease route over one keep-alive ``http.client``
+    connection, returning the parsed body of a success (anything else raises)."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=30)
+    headers = {"content-type": "application/json", "accept": "application/json"}
+
+    def post(route: str, body: bytes) -> Any:
+        connection.request("POST", "/services/v1" + route, body, headers)
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+        if response.status not in (200, 201) or answer.get("ok") is not True:
+            raise RuntimeError(f"{route} answered {response.status}: {answer.get('status')}")
+        return answer
+
+    try:
+        yield post
+    finally:
+        connection.close()
 
 
 def _timed(step: Callable[[], Any], count: int) -> list[float]:

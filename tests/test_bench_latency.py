@@ -56,6 +56,16 @@ def test_the_targets_are_the_issues_ratios_and_the_wrk_p50() -> None:
     assert not wrk[3] and wrk[1].endswith("2 requests failed")
 
 
+def test_the_pair_target_shows_the_floor_under_the_sdk() -> None:
+    """The same pair over the standard library's ``http.client``, no SDK: what no client
+    of this server can beat, shown beside the SDK's ratio (2.0 / 0.8 in ``figures``)."""
+    (pair, *_) = latency.targets(figures())
+    assert pair[1] == "p50 1.00 vs 0.80 ms (1.25x; over http.client, no SDK: 2.50x)"
+    stage = figures()
+    del stage["results"][latency.FLOOR]
+    assert latency.targets(stage)[0][1] == "p50 1.00 vs 0.80 ms (1.25x)"
+
+
 def test_without_redis_there_is_no_ratio_and_no_redis_target() -> None:
     stage = figures()
     del stage["results"][REDIS]
