@@ -9,6 +9,8 @@ import contextlib
 import socket
 import ssl
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -319,3 +321,19 @@ def test_an_injected_transport_or_a_proxy_from_the_environment_is_used_as_it_is(
     assert proxied._direct.transport is not proxied._http._transport  # the proxy's mount
     asyncio.run(injected.aclose())
     asyncio.run(proxied.aclose())
+
+
+def test_importing_leasekeeper_loads_no_httpcore_before_a_client_is_made() -> None:
+    """httpcore (and anyio with it) costs 12 ms to import: ``import leasekeeper`` (the CLI's
+    start, an app importing the middleware) leaves it to httpx, which loads it when a
+    client makes its transport, as the async client does for its own."""
+    code = (
+        "import sys, leasekeeper\n"
+        "before = 'httpcore' in sys.modules\n"
+        "leasekeeper.AsyncLeaseClient('http://127.0.0.1:9')\n"
+        "print(before, 'httpcore' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.split() == ["False", "True"]

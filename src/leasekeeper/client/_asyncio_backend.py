@@ -19,8 +19,9 @@ with the behaviour httpcore's own has:
   keep-alive connection, is true once anything arrived or the peer closed, whether the
   loop has read it yet or not: such a connection is not reused.
 
-It serves only the client's own default transport (``async_default_transport``); an
-injected ``transport=`` or ``client=``, and a proxy from the environment, keep theirs.
+It serves only the client's own default transport (``_http.async_own_transport``); an
+injected ``transport=`` or ``client=``, a URL with credentials and a proxy from the
+environment keep httpx's.
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ from leasekeeper._errors import (
     ServiceUnreachable,
     error_from_body,
 )
-from leasekeeper.client._asyncio_backend import asyncio_transport
 
 __all__ = [
     "BASE_PATH",
@@ -303,7 +302,12 @@ def own_transport(context: ssl.SSLContext) -> Callable[[], None] | None:
 
 def async_own_transport(context: ssl.SSLContext) -> Callable[[], httpx.AsyncBaseTransport]:
     """What makes the async client's own transport (``Direct``'s ``own``): httpx's, on
-    asyncio's sockets rather than anyio's (``_asyncio_backend``), with TLS by ``context``."""
+    asyncio's sockets rather than anyio's (``_asyncio_backend``), with TLS by ``context``.
+    (Imported here: httpcore, which httpx loads only when a client makes its transport,
+    and anyio with it would add 12 ms to every ``import leasekeeper``, the CLI's start and
+    an app importing the middleware included.)"""
+    from leasekeeper.client._asyncio_backend import asyncio_transport
+
     return functools.partial(asyncio_transport, context)
 
 
