@@ -22,7 +22,7 @@ import uvloop
 
 from leasekeeper import AsyncLeaseClient
 from leasekeeper.client._asyncio_backend import AsyncioBackend, asyncio_transport
-from tests._server import free_port
+from tests._server import free_port, running_server
 from tests._tools import self_signed
 
 Runner = Callable[[Callable[[], Awaitable[None]]], None]
@@ -337,3 +337,19 @@ def test_importing_leasekeeper_loads_no_httpcore_before_a_client_is_made() -> No
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.split() == ["False", "True"]
+
+
+@pytest.mark.slow
+def test_a_client_used_on_a_second_event_loop_says_so_at_once(tmp_path: Path) -> None:
+    """As with httpx's own transports, a client serves one event loop: a second
+    ``asyncio.run`` with the same client gets a RuntimeError at once, not a read that
+    waits out its timeout for an answer the first loop would have read."""
+    with running_server("memory://", tmp_path / "server.log") as server:
+        lk = AsyncLeaseClient(server.url, timeout=5)
+        with asyncio.Runner() as first:
+            assert first.run(lk.create_namespace()).startswith("ns_")
+            began = time.monotonic()
+            with pytest.raises(RuntimeError, match="another event loop"):
+                asyncio.run(lk.create_namespace())
+            assert time.monotonic() - began < 1
+            first.run(lk.aclose())

@@ -126,8 +126,19 @@ class _Stream(httpcore.AsyncNetworkStream):
     def __init__(self, transport: asyncio.Transport, protocol: _Protocol) -> None:
         self._transport = transport
         self._protocol = protocol
+        self._loop = asyncio.get_running_loop()
+
+    def _check_loop(self) -> None:
+        """A connection serves the event loop it was opened on, as httpx's do: on another
+        (a second ``asyncio.run`` with the same client), a RuntimeError at once."""
+        if asyncio.get_running_loop() is not self._loop:
+            raise RuntimeError(
+                "this connection was opened on another event loop: an AsyncLeaseClient "
+                "serves one event loop"
+            )
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        self._check_loop()
         protocol = self._protocol
         if not protocol.chunks and not protocol.ended:
             protocol.arrived = asyncio.get_running_loop().create_future()
@@ -147,6 +158,7 @@ class _Stream(httpcore.AsyncNetworkStream):
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:
         if not buffer:
             return
+        self._check_loop()
         protocol = self._protocol
         if protocol.ended and protocol.failure is not None:
             raise httpcore.WriteError(str(protocol.failure)) from protocol.failure
@@ -165,7 +177,8 @@ class _Stream(httpcore.AsyncNetworkStream):
             raise httpcore.WriteError("the connection was lost while writing")
 
     async def aclose(self) -> None:
-        self._transport.close()
+        if not self._loop.is_closed():  # (a closed loop's transports are past closing)
+            self._transport.close()
 
     async def start_tls(
         self,
