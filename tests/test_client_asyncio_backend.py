@@ -12,8 +12,9 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import httpcore
 import httpx
@@ -25,7 +26,7 @@ from leasekeeper.client._asyncio_backend import AsyncioBackend, asyncio_transpor
 from tests._server import free_port, running_server
 from tests._tools import self_signed
 
-Runner = Callable[[Callable[[], Awaitable[None]]], None]
+Runner = Callable[[Callable[[], Coroutine[Any, Any, None]]], None]
 #: What a server does with one request: (its head and body, the stream to answer on).
 Handler = Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]
 NAMESPACE = "ns_" + "A" * 43
@@ -37,9 +38,9 @@ def run(request: pytest.FixtureRequest) -> Runner:
     middleware's client runs), whose transports are not asyncio's classes."""
     factory = uvloop.new_event_loop if request.param == "uvloop" else None
 
-    def running(main: Callable[[], Awaitable[None]]) -> None:
+    def running(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
         with asyncio.Runner(loop_factory=factory) as runner:
-            runner.run(main())  # type: ignore[arg-type]
+            runner.run(main())
 
     return running
 

@@ -195,7 +195,7 @@ class _Stream(httpcore.AsyncNetworkStream):
         except TimeoutError:
             self._transport.close()
             raise httpcore.ConnectTimeout("timed out in the TLS handshake") from None
-        except (OSError, ssl.SSLError, ConnectionError) as exc:
+        except OSError as exc:  # ssl.SSLError and a certificate refused among them
             self._transport.close()
             raise httpcore.ConnectError(str(exc)) from exc
         if wrapped is None:  # the connection closed during the handshake
