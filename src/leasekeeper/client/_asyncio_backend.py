@@ -213,7 +213,7 @@ class _Stream(httpcore.AsyncNetworkStream):
         return self._transport.get_extra_info(name[info]) if info in name else None
 
     def _socket(self) -> Any:
-        """The connection's socket (asyncio's ``TransportSocket``), or None once closed."""
+        """The connection's socket (asyncio's ``TransportSocket``, uvloop's like of it)."""
         return self._transport.get_extra_info("socket")
 
 
@@ -231,7 +231,9 @@ def _readable(sock: Any) -> bool:
 
 
 class AsyncioBackend(httpcore.AsyncNetworkBackend):
-    """httpcore's connections on asyncio's transports (the module's docstring)."""
+    """httpcore's TCP connections on asyncio's transports (the module's docstring). The
+    pool it serves is given no Unix socket (``uds``): httpcore's own ``connect_unix_socket``
+    refuses."""
 
     async def connect_tcp(
         self,
@@ -252,32 +254,10 @@ class AsyncioBackend(httpcore.AsyncNetworkBackend):
             raise httpcore.ConnectTimeout(f"timed out connecting to {host}:{port}") from None
         except OSError as exc:
             raise httpcore.ConnectError(str(exc)) from exc
-        return _opened(transport, protocol, socket_options)
-
-    async def connect_unix_socket(
-        self,
-        path: str,
-        timeout: float | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        loop = asyncio.get_running_loop()
-        try:
-            async with asyncio.timeout(timeout):
-                transport, protocol = await loop.create_unix_connection(_Protocol, path)
-        except TimeoutError:
-            raise httpcore.ConnectTimeout(f"timed out connecting to {path}") from None
-        except OSError as exc:
-            raise httpcore.ConnectError(str(exc)) from exc
-        return _opened(transport, protocol, socket_options)
+        sock = transport.get_extra_info("socket")
+        for option in socket_options or ():
+            sock.setsockopt(*option)
+        return _Stream(transport, protocol)
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
-
-
-def _opened(
-    transport: asyncio.BaseTransport, protocol: _Protocol, options: Iterable[Any] | None
-) -> _Stream:
-    sock = transport.get_extra_info("socket")
-    for option in options or ():
-        sock.setsockopt(*option)
-    return _Stream(cast(asyncio.Transport, transport), protocol)
